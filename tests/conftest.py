@@ -1,0 +1,132 @@
+"""Shared fixtures: a real PostgreSQL database per test run, a migrated SQLite file per test.
+
+A missing service skips a test locally and fails it under CI (``CI`` set), so
+a CI run can never pass by skipping what it was meant to prove.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from worker.db import create_engine
+from worker.migrate import upgrade
+from worker.settings import Settings
+
+POSTGRES_ADMIN_URL = os.environ.get(
+    "WORKER_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
+)
+
+
+def require_service(host: str, port: int, what: str) -> None:
+    """Skip (or, under CI, fail) when nothing listens on host:port."""
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return
+    except OSError as exc:
+        message = f"{what} is not reachable at {host}:{port} ({exc})"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+async def _admin(sql: str) -> None:
+    engine = create_engine(POSTGRES_ADMIN_URL, pool_size=1)
+    try:
+        async with engine.connect() as connection:
+            await connection.execution_options(isolation_level="AUTOCOMMIT")
+            await connection.execute(text(sql))
+    finally:
+        await engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A fresh, migrated PostgreSQL database for this test run, dropped afterwards."""
+    require_service("127.0.0.1", 5432, "PostgreSQL")
+    name = f"worker_test_{uuid.uuid4().hex[:10]}"
+    asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
+    url = POSTGRES_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    try:
+        upgrade(url)
+        yield url
+    finally:
+        asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One migrated SQLite file; each test gets a copy."""
+    path = tmp_path_factory.mktemp("sqlite") / "template.db"
+    upgrade(f"sqlite+aiosqlite:///{path}")
+    return path
+
+
+async def _truncate(url: str) -> None:
+    engine = create_engine(url, pool_size=1)
+    try:
+        async with engine.begin() as connection:
+            tables = (
+                await connection.execute(
+                    text(
+                        "SELECT tablename FROM pg_tables WHERE schemaname = 'public' "
+                        "AND tablename <> 'alembic_version'"
+                    )
+                )
+            ).scalars()
+            names = ", ".join(f'"{t}"' for t in tables)
+            if names:
+                await connection.execute(text(f"TRUNCATE {names} RESTART IDENTITY"))
+    finally:
+        await engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Each database-dependent test runs on both databases, on empty tables."""
+    if request.param == "sqlite":
+        path = tmp_path / "worker.db"
+        shutil.copy(request.getfixturevalue("sqlite_template"), path)
+        return f"sqlite+aiosqlite:///{path}"
+    url: str = request.getfixturevalue("postgres_url")
+    asyncio.run(_truncate(url))
+    return url
+
+
+@pytest.fixture
+def postgres_only_url(postgres_url: str) -> str:
+    asyncio.run(_truncate(postgres_url))
+    return postgres_url
+
+
+@pytest.fixture
+async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
+    engine = create_engine(database_url, pool_size=20)
+    yield engine
+    await engine.dispose()
+
+
+@pytest.fixture
+def make_settings(database_url: str) -> Callable[..., Settings]:
+    def make(**overrides: Any) -> Settings:
+        values: dict[str, Any] = {
+            "database_url": database_url,
+            "concurrency": 4,
+            "retry_backoff": 0.001,
+            "retry_backoff_max": 0.01,
+            "grace_period": 5.0,
+        }
+        values.update(overrides)
+        return Settings(**values)
+
+    return make

@@ -1,0 +1,313 @@
+"""An in-process, at-least-once broker: the embedded default and the test workhorse.
+
+It behaves like RabbitMQ with manual acks, and it can be told to misbehave the
+ways real brokers do:
+
+- ``ack``: the message is gone. ``nack``: it comes back (after ``delay``), with
+  the delivery count + 1. ``dead_letter``: it moves to :attr:`MemoryBroker.dead_letters`
+  with the reason.
+- A consumer that closes or :meth:`~MemoryConsumer.crash`-es without settling
+  gives its unsettled messages back; with ``visibility_timeout`` set, a delivery
+  not settled in time is re-offered and its late settlement raises
+  :class:`~worker.errors.SettlementLost` (a Service Bus / SQS style lock).
+- ``publish(copies=2)`` is a producer retry (the same id twice);
+  ``publish(to_all=True)`` hands one copy to every consumer at once;
+  ``publish(lose_acks=1)`` drops the first ack, as if the worker died between
+  its commit and its ack.
+
+Deliveries are pushed to consumers round-robin, at most ``prefetch`` unsettled each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from worker.brokers import IdentityFunc, load_identity
+from worker.delivery import Delivery
+from worker.errors import ConfigurationError, SettlementLost
+
+if TYPE_CHECKING:
+    from worker.settings import Settings
+
+
+@dataclass(slots=True)
+class MemoryMessage:
+    message_id: str | None
+    type: str | None
+    body: bytes
+    headers: dict[str, Any] = field(default_factory=dict)
+    delivery_count: int = 0
+    lose_acks: int = 0
+
+
+@dataclass(slots=True)
+class DeadLetter:
+    message: MemoryMessage
+    reason: str
+
+
+class _Flight:
+    """A message handed to a consumer and not yet settled: the settlement handle."""
+
+    __slots__ = ("consumer", "live", "message", "timer")
+
+    def __init__(self, message: MemoryMessage, consumer: MemoryConsumer) -> None:
+        self.message = message
+        self.consumer = consumer
+        self.live = True
+        self.timer: asyncio.TimerHandle | None = None
+
+
+def default_message_id(message: MemoryMessage) -> str | None:
+    """The memory broker's dedup key: the id given to :meth:`MemoryBroker.publish`."""
+    return message.message_id
+
+
+class MemoryBroker:
+    """The queue itself, shared by any number of consumers in one process."""
+
+    def __init__(
+        self,
+        *,
+        visibility_timeout: float | None = None,
+        redelivery_delay: float = 0.0,
+        identity: IdentityFunc = default_message_id,
+    ) -> None:
+        self.visibility_timeout = visibility_timeout
+        self.redelivery_delay = redelivery_delay
+        self.identity = identity
+        self.ready: deque[MemoryMessage] = deque()
+        self.dead_letters: list[DeadLetter] = []
+        self.stats: Counter[str] = Counter()
+        self.consumers: list[MemoryConsumer] = []
+        self._in_flight = 0
+        self._delayed = 0
+        self._next_consumer = 0
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> MemoryBroker:
+        return cls(identity=load_identity(settings.message_id_func, default_message_id))
+
+    def connect(self) -> MemoryConsumer:
+        consumer = MemoryConsumer(self)
+        self.consumers.append(consumer)
+        return consumer
+
+    # -- producing ---------------------------------------------------------------
+
+    def publish(
+        self,
+        message_id: str | None,
+        type: str | None,
+        body: bytes | dict[str, Any],
+        headers: dict[str, Any] | None = None,
+        *,
+        copies: int = 1,
+        to_all: bool = False,
+        lose_acks: int = 0,
+    ) -> None:
+        """Enqueue a message; see the module docstring for the failure knobs."""
+        raw = json.dumps(body).encode() if isinstance(body, dict) else body
+        self.stats["published"] += copies
+        for _ in range(copies):
+            message = MemoryMessage(message_id, type, raw, dict(headers or {}), 0, lose_acks)
+            if to_all and self.consumers:
+                live = [c for c in self.consumers if c.consuming]
+                for consumer in live or self.consumers:
+                    twin = MemoryMessage(message_id, type, raw, dict(message.headers))
+                    self.stats["published"] += 1
+                    self._hand_over(twin, consumer)
+                self.stats["published"] -= 1
+            else:
+                self.ready.append(message)
+        self._dispatch()
+
+    # -- state ------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def idle(self) -> bool:
+        """Nothing ready, nothing unsettled, nothing waiting to come back."""
+        return not self.ready and self._in_flight == 0 and self._delayed == 0
+
+    async def wait_idle(self, timeout: float) -> None:
+        """Wait (bounded) until every message is settled for good."""
+        async with asyncio.timeout(timeout):
+            while not self.idle:
+                await asyncio.sleep(0.01)
+
+    # -- internals --------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        while self.ready:
+            consumer = self._pick_consumer()
+            if consumer is None:
+                return
+            self._hand_over(self.ready.popleft(), consumer)
+
+    def _pick_consumer(self) -> MemoryConsumer | None:
+        count = len(self.consumers)
+        for step in range(count):
+            consumer = self.consumers[(self._next_consumer + step) % count]
+            if consumer.has_credit:
+                self._next_consumer = (self._next_consumer + step + 1) % count
+                return consumer
+        return None
+
+    def _hand_over(self, message: MemoryMessage, consumer: MemoryConsumer) -> None:
+        message.delivery_count += 1
+        flight = _Flight(message, consumer)
+        self._in_flight += 1
+        self.stats["delivered"] += 1
+        if message.delivery_count > 1:
+            self.stats["redelivered"] += 1
+        if self.visibility_timeout is not None:
+            loop = asyncio.get_running_loop()
+            flight.timer = loop.call_later(self.visibility_timeout, self._expire, flight)
+        consumer.accept(flight)
+
+    def _end(self, flight: _Flight) -> None:
+        if not flight.live:
+            raise SettlementLost(f"message {flight.message.message_id!r}: lock lost")
+        flight.live = False
+        if flight.timer is not None:
+            flight.timer.cancel()
+        self._in_flight -= 1
+        flight.consumer.unsettled.discard(flight)
+
+    def _expire(self, flight: _Flight) -> None:
+        if flight.live:
+            self.stats["lock_expired"] += 1
+            self._end(flight)
+            self._requeue(flight.message, 0.0)
+
+    def _requeue(self, message: MemoryMessage, delay: float) -> None:
+        if delay <= 0:
+            self.ready.append(message)
+            self._dispatch()
+            return
+        self._delayed += 1
+
+        def back() -> None:
+            self._delayed -= 1
+            self.ready.append(message)
+            self._dispatch()
+
+        asyncio.get_running_loop().call_later(delay, back)
+
+    def _give_back(self, consumer: MemoryConsumer) -> None:
+        """A consumer vanished: every message it held unsettled is offered again."""
+        for flight in list(consumer.unsettled):
+            self._end(flight)
+            self._requeue(flight.message, 0.0)
+        self._dispatch()
+
+
+class MemoryConsumer:
+    """One connection to a :class:`MemoryBroker`: the pump's :class:`Broker`."""
+
+    name = "memory"
+
+    def __init__(self, broker: MemoryBroker) -> None:
+        self.broker = broker
+        self.unsettled: set[_Flight] = set()
+        self.consuming = False
+        self._prefetch = 0
+        self._inbox: asyncio.Queue[Delivery] = asyncio.Queue()
+
+    @property
+    def ready(self) -> bool:
+        return self.consuming
+
+    @property
+    def has_credit(self) -> bool:
+        return self.consuming and len(self.unsettled) < self._prefetch
+
+    async def start(self, prefetch: int) -> None:
+        self._prefetch = prefetch
+        self.consuming = True
+        self.broker._dispatch()
+
+    async def receive(self) -> Delivery:
+        return await self._inbox.get()
+
+    async def stop_receiving(self) -> None:
+        """Stop new pushes; what was pushed but not yet taken goes back to the queue."""
+        self.consuming = False
+        while not self._inbox.empty():
+            flight: _Flight = self._inbox.get_nowait()._handle
+            self.broker._end(flight)
+            self.broker._requeue(flight.message, 0.0)
+        self.broker._dispatch()
+
+    async def close(self) -> None:
+        self.crash()
+
+    def crash(self) -> None:
+        """Vanish without settling anything, like a killed process."""
+        self.consuming = False
+        self._inbox = asyncio.Queue()
+        if self in self.broker.consumers:
+            self.broker.consumers.remove(self)
+        self.broker._give_back(self)
+
+    def accept(self, flight: _Flight) -> None:
+        self.unsettled.add(flight)
+        message = flight.message
+        self._inbox.put_nowait(
+            Delivery(
+                self.broker.identity(message),
+                message.type,
+                message.body,
+                message.headers,
+                message.delivery_count,
+                self,
+                flight,
+            )
+        )
+
+    # -- Settler ----------------------------------------------------------------
+
+    async def ack(self, handle: _Flight) -> None:
+        broker = self.broker
+        broker._end(handle)
+        if handle.message.lose_acks > 0:
+            handle.message.lose_acks -= 1
+            broker.stats["acks_lost"] += 1
+            broker._requeue(handle.message, broker.visibility_timeout or 0.0)
+        else:
+            broker.stats["acked"] += 1
+        broker._dispatch()
+
+    async def nack(self, handle: _Flight, delay: float | None) -> None:
+        broker = self.broker
+        broker._end(handle)
+        broker.stats["nacked"] += 1
+        broker._requeue(handle.message, broker.redelivery_delay if delay is None else delay)
+        broker._dispatch()
+
+    async def dead_letter(self, handle: _Flight, reason: str) -> None:
+        broker = self.broker
+        broker._end(handle)
+        broker.stats["dead_lettered"] += 1
+        broker.dead_letters.append(DeadLetter(handle.message, reason))
+        broker._dispatch()
+
+
+def open_broker(settings: Settings) -> MemoryConsumer:
+    """``worker run`` with the memory broker: an empty queue that only this process sees."""
+    return MemoryBroker.from_settings(settings).connect()
+
+
+def open_admin(settings: Settings) -> NoReturn:
+    raise ConfigurationError(
+        "WORKER_BROKER: the memory broker lives inside one process; "
+        "publish and dlq need rabbitmq, kafka or servicebus"
+    )

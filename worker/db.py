@@ -1,0 +1,161 @@
+"""Engines, the pump's session class, and what a database error means for the pump."""
+
+from __future__ import annotations
+
+import enum
+import sqlite3
+from typing import Any, NoReturn
+
+from sqlalchemy import MetaData, event, text
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+from sqlalchemy.orm import DeclarativeBase
+from sqlalchemy.orm.exc import StaleDataError
+
+from worker.errors import TransactionOwnedByPump
+
+INBOX_CONSTRAINT = "uq_inbox_message_consumer"
+"""The one unique constraint whose violation means "already processed"."""
+
+_SQLITE_CONSTRAINT_UNIQUE = 2067
+_SQLITE_INBOX_COLUMNS = "UNIQUE constraint failed: inbox.message_id, inbox.consumer"
+_RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})  # serialization failure, deadlock
+_UNAVAILABLE_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "08000", "08001", "08003", "08006"})
+
+
+class Base(DeclarativeBase):
+    """Declarative base for the inbox and every business model the worker migrates."""
+
+    metadata = MetaData(
+        naming_convention={
+            "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+            "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+            "pk": "pk_%(table_name)s",
+            "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+            "ck": "ck_%(table_name)s_%(constraint_name)s",
+        }
+    )
+
+
+class PumpSession(AsyncSession):
+    """The session a handler gets: the pump owns its transaction.
+
+    A handler that commits would make its writes permanent even when the inbox
+    marker is then rejected as a duplicate, so commit, rollback and close fail
+    loudly here; the pump calls the :class:`AsyncSession` methods directly.
+    """
+
+    async def commit(self) -> NoReturn:
+        raise TransactionOwnedByPump("handlers must not commit: the pump commits once, with the inbox marker")
+
+    async def rollback(self) -> NoReturn:
+        raise TransactionOwnedByPump("handlers must not roll back: raise an exception instead")
+
+    async def close(self) -> NoReturn:
+        raise TransactionOwnedByPump("handlers must not close the pump's session")
+
+
+def create_engine(url: str, *, pool_size: int = 5) -> AsyncEngine:
+    """An async engine; SQLite files get WAL mode and a generous busy timeout."""
+    if url.startswith("sqlite"):
+        engine = create_async_engine(url, pool_size=pool_size, connect_args={"timeout": 30})
+        event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        return engine
+    return create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=False)
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
+
+
+def session_factory(engine: AsyncEngine) -> async_sessionmaker[PumpSession]:
+    return async_sessionmaker(engine, class_=PumpSession, expire_on_commit=False)
+
+
+def insert_ignoring_conflicts(session: AsyncSession, model: Any) -> Any:
+    """``INSERT ... ON CONFLICT DO NOTHING`` in the session's dialect (SQLite, PostgreSQL)."""
+    if session.get_bind().dialect.name == "postgresql":
+        return postgresql.insert(model).on_conflict_do_nothing()
+    return sqlite.insert(model).on_conflict_do_nothing()
+
+
+def redact(url: str) -> str:
+    """The URL with its password masked: the only form a URL may take in a log."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # an unparsable URL still must not leak
+        return "<unparsable database url>"
+
+
+async def ping(engine: AsyncEngine) -> None:
+    async with engine.connect() as connection:
+        await connection.execute(text("SELECT 1"))
+
+
+class Failure(enum.Enum):
+    """What an exception raised during an attempt means for the pump."""
+
+    DUPLICATE = "duplicate"  # the inbox constraint rejected the marker
+    CONFLICT = "conflict"  # a version token did not match
+    TRANSIENT = "transient"  # serialization failure, deadlock, a busy SQLite file
+    CONNECTION = "connection"  # the connection broke or could not be made
+    ERROR = "error"  # anything else, including other integrity errors
+
+
+def classify(exc: BaseException) -> Failure:
+    if isinstance(exc, IntegrityError):
+        return Failure.DUPLICATE if is_inbox_violation(exc) else Failure.ERROR
+    if isinstance(exc, StaleDataError):
+        return Failure.CONFLICT
+    if isinstance(exc, DBAPIError):
+        if exc.connection_invalidated:
+            return Failure.CONNECTION
+        code = sqlstate(exc)
+        if code in _RETRYABLE_SQLSTATES:
+            return Failure.TRANSIENT
+        if code in _UNAVAILABLE_SQLSTATES or _is_os_error(exc.orig):
+            return Failure.CONNECTION
+        if isinstance(exc.orig, sqlite3.OperationalError):
+            return _classify_sqlite(exc.orig)
+        return Failure.ERROR
+    if isinstance(exc, OSError):  # asyncpg raises refusals and resets unwrapped
+        return Failure.CONNECTION
+    return Failure.ERROR
+
+
+def is_inbox_violation(exc: IntegrityError) -> bool:
+    """True only for a unique violation of exactly the inbox constraint."""
+    orig = exc.orig
+    if isinstance(orig, sqlite3.IntegrityError):
+        return (
+            getattr(orig, "sqlite_errorcode", None) == _SQLITE_CONSTRAINT_UNIQUE
+            and str(orig) == _SQLITE_INBOX_COLUMNS
+        )
+    # asyncpg: the adapter's exception wraps UniqueViolationError as __cause__
+    cause = getattr(orig, "__cause__", None)
+    return getattr(cause, "sqlstate", None) == "23505" and (
+        getattr(cause, "constraint_name", None) == INBOX_CONSTRAINT
+    )
+
+
+def sqlstate(exc: DBAPIError) -> str | None:
+    code = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
+    return code if isinstance(code, str) else None
+
+
+def _is_os_error(orig: BaseException | None) -> bool:
+    return isinstance(orig, OSError) or isinstance(getattr(orig, "__cause__", None), OSError)
+
+
+def _classify_sqlite(orig: sqlite3.OperationalError) -> Failure:
+    message = str(orig)
+    if "locked" in message or "busy" in message:
+        return Failure.TRANSIENT
+    if "unable to open" in message or "disk I/O" in message:
+        return Failure.CONNECTION
+    return Failure.ERROR

@@ -1,0 +1,86 @@
+"""The broker-agnostic delivery and the settlement seam every adapter implements."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from worker.errors import AlreadySettled
+
+
+class Settler(Protocol):
+    """How one broker settles a delivery; ``handle`` is the adapter's own object."""
+
+    async def ack(self, handle: Any) -> None: ...
+
+    async def nack(self, handle: Any, delay: float | None) -> None: ...
+
+    async def dead_letter(self, handle: Any, reason: str) -> None: ...
+
+
+class Delivery:
+    """One delivery of one message, settled exactly once.
+
+    ``delivery_count`` is 1 on the first delivery, whatever the broker's own
+    convention; ``message_id`` is the dedup key the adapter extracted (``None``
+    when the message carries none, which the pump dead-letters).
+    """
+
+    __slots__ = (
+        "_handle",
+        "_settler",
+        "body",
+        "delivery_count",
+        "headers",
+        "message_id",
+        "settled",
+        "type",
+    )
+
+    def __init__(
+        self,
+        message_id: str | None,
+        type: str | None,
+        body: bytes,
+        headers: Mapping[str, Any],
+        delivery_count: int,
+        settler: Settler,
+        handle: Any,
+    ) -> None:
+        self.message_id = message_id
+        self.type = type
+        self.body = body
+        self.headers = headers
+        self.delivery_count = delivery_count
+        self._settler = settler
+        self._handle = handle
+        self.settled: str | None = None
+
+    @property
+    def redelivered(self) -> bool:
+        """Only a redelivery can be a broker-made duplicate of work already done."""
+        return self.delivery_count > 1
+
+    def _claim(self, verb: str) -> None:
+        if self.settled is not None:
+            raise AlreadySettled(f"delivery {self.message_id!r} already {self.settled}, not {verb}")
+        self.settled = verb
+
+    async def ack(self) -> None:
+        self._claim("acked")
+        await self._settler.ack(self._handle)
+
+    async def nack(self, delay: float | None = None) -> None:
+        """Give the message back for redelivery, after ``delay`` seconds where supported."""
+        self._claim("nacked")
+        await self._settler.nack(self._handle, delay)
+
+    async def dead_letter(self, reason: str) -> None:
+        self._claim("dead-lettered")
+        await self._settler.dead_letter(self._handle, reason)
+
+    def __repr__(self) -> str:
+        return (
+            f"<Delivery id={self.message_id!r} type={self.type!r} "
+            f"count={self.delivery_count} settled={self.settled}>"
+        )

@@ -1,0 +1,70 @@
+"""The inbox: one marker per (message id, consumer), unique by a named constraint."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import (
+    BigInteger,
+    DateTime,
+    Identity,
+    Integer,
+    String,
+    UniqueConstraint,
+    bindparam,
+    func,
+    insert,
+    literal,
+    select,
+)
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Mapped, mapped_column
+
+from worker.db import INBOX_CONSTRAINT, Base
+
+
+class InboxMarker(Base):
+    """Proof that ``consumer`` processed ``message_id``.
+
+    A surrogate, increasing bigint key keeps inserts at the right edge of the
+    primary-key index; the dedup key lives in the named unique constraint.
+    """
+
+    __tablename__ = "inbox"
+    __table_args__ = (UniqueConstraint("message_id", "consumer", name=INBOX_CONSTRAINT),)
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer(), "sqlite"), Identity(), primary_key=True
+    )
+    message_id: Mapped[str] = mapped_column(String(255))
+    consumer: Mapped[str] = mapped_column(String(255))
+    received_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.current_timestamp()
+    )
+    processed_at: Mapped[datetime | None] = mapped_column(
+        DateTime(timezone=True), server_default=func.current_timestamp()
+    )
+
+
+_table = InboxMarker.__table__
+_MARK = insert(_table).values(message_id=bindparam("m"), consumer=bindparam("c"))
+_EXISTS = (
+    select(literal(1))
+    .where(_table.c.message_id == bindparam("m"), _table.c.consumer == bindparam("c"))
+    .limit(1)
+)
+
+
+async def mark(session: AsyncSession, message_id: str, consumer: str) -> None:
+    """Insert the marker in the session's transaction; a duplicate raises IntegrityError.
+
+    The pump calls this *before* the handler: on PostgreSQL a concurrent
+    replica inserting the same key then waits for this transaction, and gets
+    the unique violation without running the handler at all.
+    """
+    await session.execute(_MARK, {"m": message_id, "c": consumer})
+
+
+async def seen(session: AsyncSession, message_id: str, consumer: str) -> bool:
+    """The fast path for redeliveries. Never the guarantee: the constraint is."""
+    return (await session.execute(_EXISTS, {"m": message_id, "c": consumer})).first() is not None

@@ -1,0 +1,288 @@
+"""The pump: deliveries in, one transaction per attempt, exactly one settlement out.
+
+For each delivery and each handler of its type, an attempt is::
+
+    fresh session -> [redelivery: inbox fast path] -> insert marker -> handler -> one commit
+
+and the outcome decides the settlement in :meth:`Pump._settle`:
+
+=============================================  ===========================================
+outcome                                        settlement
+=============================================  ===========================================
+committed                                      ack
+unique violation of the inbox constraint       ack (duplicate: another attempt won)
+version conflict, serialization, deadlock      new attempt on a new session; exhausted: nack
+connection lost, database does not answer      nack, pause intake until the database answers
+no id, unknown type, undecodable, invalid      dead-letter at once, with the reason
+``Poison`` raised by the handler               dead-letter at once, with the reason
+any other exception                            nack; on the last allowed delivery: dead-letter
+=============================================  ===========================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections import Counter
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+
+from worker import inbox
+from worker.brokers import Broker
+from worker.db import Failure, PumpSession, classify, session_factory
+from worker.delivery import Delivery
+from worker.errors import Poison, Retry, SettlementLost, WorkerError
+from worker.health import DatabaseHealth
+from worker.logs import get_logger
+from worker.registry import Context, Handler, Registry
+from worker.retry import backoff
+from worker.settings import Settings
+
+ACK, NACK, DEAD_LETTER = "ack", "nack", "dead-letter"
+
+
+class _Verdict:
+    """How one handler's work on a delivery ended."""
+
+    __slots__ = ("delay", "outcome", "reason", "verb")
+
+    def __init__(
+        self, verb: str, outcome: str, reason: str | None = None, delay: float | None = None
+    ) -> None:
+        self.verb = verb
+        self.outcome = outcome
+        self.reason = reason
+        self.delay = delay
+
+
+_COMMITTED = _Verdict(ACK, "committed")
+_DUPLICATE = _Verdict(ACK, "duplicate")
+_PAUSED = _Verdict(NACK, "paused")
+
+
+class Pump:
+    """Consume from one broker with ``settings.concurrency`` workers until stopped."""
+
+    def __init__(
+        self,
+        broker: Broker,
+        engine: AsyncEngine,
+        registry: Registry,
+        settings: Settings,
+        *,
+        name: str = "pump",
+    ) -> None:
+        self.broker = broker
+        self.settings = settings
+        self.registry = registry
+        self.stats: Counter[str] = Counter()
+        self._engine = engine
+        self._sessions = session_factory(engine)
+        self._log = get_logger(pump=name, broker=broker.name)
+        self.health = DatabaseHealth(engine, self._log, settings.db_probe_backoff_max)
+        self._stop = asyncio.Event()
+        self._idle: set[asyncio.Task[None]] = set()
+        self.running = False
+
+    # -- lifecycle --------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self.running and not self._stop.is_set() and self.broker.ready and self.health.available
+
+    def stop(self) -> None:
+        """Ask for a graceful stop; :meth:`run` returns once in-flight work is settled."""
+        self._stop.set()
+
+    async def run(self, *, install_signal_handlers: bool = False) -> None:
+        if install_signal_handlers:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.stop)
+        concurrency = self.settings.concurrency
+        await self.broker.start(prefetch=concurrency)
+        self.running = True
+        self._log.info("pump started", concurrency=concurrency, types=self.registry.message_types)
+        workers = [asyncio.create_task(self._work()) for _ in range(concurrency)]
+        try:
+            await self._stop.wait()
+        finally:
+            await self._shutdown(workers)
+
+    async def _shutdown(self, workers: list[asyncio.Task[None]]) -> None:
+        # Order matters: stop taking work, let in-flight work finish within the
+        # grace period, cancel what is left (unsettled, so the broker redelivers
+        # it and the inbox absorbs whatever did commit), then close the broker.
+        self._log.info("pump stopping", in_flight=len(workers) - len(self._idle))
+        self._stop.set()
+        await self.broker.stop_receiving()
+        for task in self._idle:
+            task.cancel()
+        _, late = await asyncio.wait(workers, timeout=self.settings.grace_period)
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+        if late:
+            self._log.warning("grace period over, cancelled in-flight work", cancelled=len(late))
+        await self.broker.close()
+        await self.health.close()
+        self.running = False
+        self._log.info("pump stopped", **dict(self.stats))
+
+    async def _work(self) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        idle = self._idle
+        while not self._stop.is_set():
+            idle.add(task)
+            await self.health.wait_available()
+            delivery = await self.broker.receive()
+            idle.discard(task)  # from here on, shutdown waits for this delivery
+            try:
+                await self._handle(delivery)
+            except Exception:  # the pump must outlive any bug in a handler or adapter
+                self._log.exception("unexpected error", message_id=delivery.message_id)
+                if delivery.settled is None:
+                    await self._settle(delivery, _Verdict(NACK, "nacked", "unexpected error"))
+
+    # -- one delivery -----------------------------------------------------------
+
+    async def _handle(self, delivery: Delivery) -> None:
+        settings = self.settings
+        if delivery.message_id is None:
+            return await self._settle(delivery, _Verdict(DEAD_LETTER, "poison", "no message id"))
+        if delivery.delivery_count > settings.max_deliveries:
+            reason = f"delivered {delivery.delivery_count} times (WORKER_MAX_DELIVERIES={settings.max_deliveries})"
+            return await self._settle(delivery, _Verdict(DEAD_LETTER, "exhausted", reason))
+        handlers = self.registry.for_type(delivery.type)
+        if not handlers:
+            reason = f"no handler for message type {delivery.type!r}"
+            return await self._settle(delivery, _Verdict(DEAD_LETTER, "poison", reason))
+
+        verdict = _COMMITTED
+        decoded: dict[type[BaseModel], BaseModel] = {}
+        for handler in handlers:
+            message = decoded.get(handler.model)
+            if message is None:
+                try:
+                    message = decoded[handler.model] = handler.model.model_validate_json(delivery.body)
+                except ValidationError as exc:
+                    reason = f"invalid body for {delivery.type}: {_first_error(exc)}"
+                    return await self._settle(delivery, _Verdict(DEAD_LETTER, "poison", reason))
+            verdict = await self._consume(delivery, handler, message)
+            if verdict.verb != ACK:
+                break  # later handlers run on the redelivery; earlier ones are deduplicated
+        await self._settle(delivery, verdict)
+
+    async def _consume(self, delivery: Delivery, handler: Handler[Any], message: BaseModel) -> _Verdict:
+        """Run one handler until it commits, is a duplicate, or must give the delivery back."""
+        settings = self.settings
+        message_id = delivery.message_id
+        assert message_id is not None
+        consumer = handler.consumer
+        fast_path = settings.fast_path and delivery.redelivered and handler.inbox
+        attempt = 0
+        while True:
+            attempt += 1
+            session: PumpSession = self._sessions()
+            try:
+                if fast_path and await inbox.seen(session, message_id, consumer):
+                    self._note(delivery, consumer, attempt, "duplicate", fast_path=True)
+                    return _DUPLICATE
+                if handler.inbox:
+                    await inbox.mark(session, message_id, consumer)
+                context = Context(session, message_id, consumer, delivery.delivery_count, attempt, delivery.headers)
+                await handler.func(context, message)
+                await AsyncSession.commit(session)
+                self._note(delivery, consumer, attempt, "committed")
+                return _COMMITTED
+            except Poison as exc:
+                return _Verdict(DEAD_LETTER, "poison", f"{consumer}: {exc}")
+            except Retry as exc:
+                self._note(delivery, consumer, attempt, "retry-requested", reason=str(exc))
+                return _Verdict(NACK, "retry-requested", str(exc), exc.delay)
+            except Exception as exc:
+                failure = classify(exc)
+                if failure is Failure.DUPLICATE:
+                    self._note(delivery, consumer, attempt, "duplicate")
+                    return _DUPLICATE
+                if failure is Failure.CONNECTION:
+                    if not await self.health.confirm():
+                        self._note(delivery, consumer, attempt, "paused", error=exc)
+                        return _PAUSED
+                elif failure is not Failure.CONFLICT and failure is not Failure.TRANSIENT:
+                    return self._failed(delivery, consumer, attempt, exc)
+                if attempt >= settings.max_attempts:
+                    self._note(delivery, consumer, attempt, "attempts-exhausted", error=exc)
+                    return _Verdict(NACK, "attempts-exhausted", f"{failure.value}: {exc}")
+                self.stats[f"retried-{failure.value}"] += 1
+                self._note(delivery, consumer, attempt, "retrying", failure=failure.value)
+                await asyncio.sleep(backoff(attempt, settings.retry_backoff, settings.retry_backoff_max))
+            finally:
+                await _discard(session)
+
+    def _failed(self, delivery: Delivery, consumer: str, attempt: int, exc: Exception) -> _Verdict:
+        reason = f"{consumer}: {type(exc).__name__}: {exc}"
+        last = delivery.delivery_count >= self.settings.max_deliveries
+        self._log.warning(
+            "handler failed",
+            message_id=delivery.message_id,
+            consumer=consumer,
+            attempt=attempt,
+            delivery_count=delivery.delivery_count,
+            outcome="dead-lettered" if last else "nacked",
+            exc_info=exc,
+        )
+        if last:
+            return _Verdict(DEAD_LETTER, "exhausted", f"failed {delivery.delivery_count} deliveries: {reason}")
+        return _Verdict(NACK, "failed", reason)
+
+    def _note(self, delivery: Delivery, consumer: str, attempt: int, outcome: str, **extra: Any) -> None:
+        self.stats[outcome] += 1
+        if outcome == "committed":
+            return  # the hot path: debug logging of every commit costs more than the commit's Python work
+        log = self._log.info if outcome == "duplicate" else self._log.warning
+        if outcome == "retrying":
+            log = self._log.debug
+        log(outcome, message_id=delivery.message_id, consumer=consumer, attempt=attempt, outcome=outcome,
+            delivery_count=delivery.delivery_count, **extra)
+
+    async def _settle(self, delivery: Delivery, verdict: _Verdict) -> None:
+        """The one place a delivery is settled. A lost settlement is never a success."""
+        # Not shielded: the only cancellation is the shutdown's after its grace
+        # period, and an ack cut short is a redelivery that the inbox absorbs.
+        verb = verdict.verb
+        try:
+            if verb == ACK:
+                await delivery.ack()
+            elif verb == NACK:
+                await delivery.nack(verdict.delay)
+            else:
+                assert verdict.reason is not None
+                await delivery.dead_letter(verdict.reason)
+        except (SettlementLost, WorkerError) as exc:
+            self.stats["settlement-lost"] += 1
+            self._log.warning("settlement lost, broker will redeliver", message_id=delivery.message_id,
+                              verb=verb, error=exc, outcome="settlement-lost")
+            return
+        self.stats[verb] += 1
+        if verb == DEAD_LETTER:
+            self._log.warning("dead-lettered", message_id=delivery.message_id, type=delivery.type,
+                              delivery_count=delivery.delivery_count, reason=verdict.reason,
+                              outcome=verdict.outcome)
+
+
+async def _discard(session: AsyncSession) -> None:
+    """Close an attempt's session (rolling back what did not commit), whatever state it is in."""
+    try:
+        await AsyncSession.close(session)
+    except Exception:  # a broken connection can fail its own rollback; the pool drops it
+        await AsyncSession.invalidate(session)
+
+
+def _first_error(exc: ValidationError) -> str:
+    error = exc.errors(include_url=False)[0]
+    where = ".".join(str(part) for part in error["loc"]) or "body"
+    return f"{where}: {error['msg']}"

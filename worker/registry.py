@@ -1,0 +1,109 @@
+"""Handler registration: one decorator naming the message type and its pydantic model."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from pydantic import BaseModel
+
+from worker.db import PumpSession
+from worker.errors import ConfigurationError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class Context:
+    """What a handler gets besides its message: the pump's session and the delivery's facts."""
+
+    __slots__ = ("attempt", "consumer", "delivery_count", "headers", "message_id", "session")
+
+    def __init__(
+        self,
+        session: PumpSession,
+        message_id: str,
+        consumer: str,
+        delivery_count: int,
+        attempt: int,
+        headers: Any,
+    ) -> None:
+        self.session = session
+        self.message_id = message_id
+        self.consumer = consumer
+        self.delivery_count = delivery_count
+        self.attempt = attempt
+        self.headers = headers
+
+
+HandlerFunc = Callable[[Context, M], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class Handler(Generic[M]):
+    message_type: str
+    model: type[M]
+    func: HandlerFunc[M]
+    consumer: str
+    inbox: bool
+
+
+class Registry:
+    """Message type -> the handlers that consume it, each under its own consumer name."""
+
+    def __init__(self) -> None:
+        self._by_type: dict[str, tuple[Handler[Any], ...]] = {}
+
+    def handler(
+        self,
+        message_type: str,
+        model: type[M],
+        *,
+        consumer: str | None = None,
+        inbox: bool = True,
+    ) -> Callable[[HandlerFunc[M]], HandlerFunc[M]]:
+        """Register ``func`` for ``message_type``.
+
+        ``consumer`` names the inbox marker; it defaults to the function's
+        dotted path, so renaming the function renames the consumer (set it
+        explicitly in production). ``inbox=False`` opts a handler that is
+        idempotent by nature (an upsert of an absolute value) out of the inbox.
+        """
+
+        def register(func: HandlerFunc[M]) -> HandlerFunc[M]:
+            name = consumer or f"{func.__module__}.{func.__qualname__}"
+            if name in self.consumers():
+                raise ConfigurationError(f"consumer name {name!r} is registered twice")
+            entry: Handler[M] = Handler(message_type, model, func, name, inbox)
+            self._by_type[message_type] = (*self._by_type.get(message_type, ()), entry)
+            return func
+
+        return register
+
+    def for_type(self, message_type: str | None) -> tuple[Handler[Any], ...]:
+        return self._by_type.get(message_type, ()) if message_type else ()
+
+    def consumers(self) -> set[str]:
+        return {h.consumer for group in self._by_type.values() for h in group}
+
+    @property
+    def message_types(self) -> list[str]:
+        return sorted(self._by_type)
+
+    def __iter__(self) -> Iterable[Handler[Any]]:  # type: ignore[override]
+        return (h for group in self._by_type.values() for h in group)
+
+
+registry = Registry()
+"""The default registry that ``@handler`` fills and ``worker run`` serves."""
+
+handler = registry.handler
+
+
+def import_handlers(modules: Iterable[str]) -> None:
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ConfigurationError(f"WORKER_HANDLERS: cannot import {name!r}: {exc}") from None
