@@ -59,6 +59,7 @@ def postgres_url() -> Iterator[str]:
     url = POSTGRES_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
     try:
         upgrade(url)
+        _MIGRATED_TABLES[url] = asyncio.run(_tables(url))
         yield url
     finally:
         asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
@@ -72,19 +73,34 @@ def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+async def _tables(url: str) -> set[str]:
+    engine = create_engine(url, pool_size=1)
+    try:
+        async with engine.connect() as connection:
+            rows = await connection.execute(
+                text("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+            )
+            return set(rows.scalars())
+    finally:
+        await engine.dispose()
+
+
+_MIGRATED_TABLES: dict[str, set[str]] = {}
+
+
 async def _truncate(url: str) -> None:
+    """Empty the migrated tables and drop whatever a previous test created."""
+    migrated = _MIGRATED_TABLES[url]
     engine = create_engine(url, pool_size=1)
     try:
         async with engine.begin() as connection:
-            tables = (
-                await connection.execute(
-                    text(
-                        "SELECT tablename FROM pg_tables WHERE schemaname = 'public' "
-                        "AND tablename <> 'alembic_version'"
-                    )
-                )
-            ).scalars()
-            names = ", ".join(f'"{t}"' for t in tables)
+            rows = await connection.execute(
+                text("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+            )
+            present = set(rows.scalars())
+            for extra in sorted(present - migrated):
+                await connection.execute(text(f'DROP TABLE "{extra}" CASCADE'))
+            names = ", ".join(f'"{t}"' for t in sorted(migrated - {"alembic_version"}))
             if names:
                 await connection.execute(text(f"TRUNCATE {names} RESTART IDENTITY"))
     finally:
@@ -130,3 +146,36 @@ def make_settings(database_url: str) -> Callable[..., Settings]:
         return Settings(**values)
 
     return make
+
+
+@pytest.fixture
+def run_pumps() -> Callable[..., Any]:
+    """``async with run_pumps(brokers, engines, registry, settings) as pumps:`` starts pumps
+    (one per broker connection) and stops them gracefully on exit."""
+    from contextlib import asynccontextmanager
+
+    from worker.pump import Pump
+
+    @asynccontextmanager
+    async def run(
+        consumers: list[Any], engines: list[AsyncEngine], registry: Any, settings: Settings
+    ) -> AsyncIterator[list[Pump]]:
+        pumps = [
+            Pump(consumer, engines[i % len(engines)], registry, settings, name=f"pump-{i}")
+            for i, consumer in enumerate(consumers)
+        ]
+        tasks = [asyncio.create_task(pump.run()) for pump in pumps]
+        async with asyncio.timeout(10):
+            while not all(pump.running for pump in pumps):
+                for task in tasks:
+                    if task.done():
+                        task.result()
+                await asyncio.sleep(0.001)
+        try:
+            yield pumps
+        finally:
+            for pump in pumps:
+                pump.stop()
+            await asyncio.gather(*tasks)
+
+    return run

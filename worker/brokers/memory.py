@@ -83,6 +83,8 @@ class MemoryBroker:
         self.ready: deque[MemoryMessage] = deque()
         self.dead_letters: list[DeadLetter] = []
         self.stats: Counter[str] = Counter()
+        self.history: list[tuple[str, str | None, int]] = []
+        """Every settlement as (verb, message id, delivery count): what the broker saw."""
         self.consumers: list[MemoryConsumer] = []
         self._in_flight = 0
         self._delayed = 0
@@ -278,6 +280,7 @@ class MemoryConsumer:
     async def ack(self, handle: _Flight) -> None:
         broker = self.broker
         broker._end(handle)
+        broker.history.append(("ack", handle.message.message_id, handle.message.delivery_count))
         if handle.message.lose_acks > 0:
             handle.message.lose_acks -= 1
             broker.stats["acks_lost"] += 1
@@ -289,6 +292,7 @@ class MemoryConsumer:
     async def nack(self, handle: _Flight, delay: float | None) -> None:
         broker = self.broker
         broker._end(handle)
+        broker.history.append(("nack", handle.message.message_id, handle.message.delivery_count))
         broker.stats["nacked"] += 1
         broker._requeue(handle.message, broker.redelivery_delay if delay is None else delay)
         broker._dispatch()
@@ -296,6 +300,7 @@ class MemoryConsumer:
     async def dead_letter(self, handle: _Flight, reason: str) -> None:
         broker = self.broker
         broker._end(handle)
+        broker.history.append(("dead-letter", handle.message.message_id, handle.message.delivery_count))
         broker.stats["dead_lettered"] += 1
         broker.dead_letters.append(DeadLetter(handle.message, reason))
         broker._dispatch()
