@@ -24,7 +24,7 @@ class Account(Base):
     balance: Mapped[Decimal] = mapped_column(Numeric(18, 2), default=Decimal(0))
     version: Mapped[int] = mapped_column(Integer, nullable=False)
 
-    __mapper_args__ = {"version_id_col": version}  # noqa: RUF012 - SQLAlchemy's own dict
+    __mapper_args__ = {"version_id_col": version}
 
 
 class CreditRequested(BaseModel):

@@ -133,10 +133,16 @@ async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
 
 
 @pytest.fixture
-def make_settings(database_url: str) -> Callable[..., Settings]:
+def make_settings(request: pytest.FixtureRequest) -> Callable[..., Settings]:
+    """Settings for in-process pumps; the database is the test's ``database_url`` unless given."""
+
     def make(**overrides: Any) -> Settings:
         values: dict[str, Any] = {
-            "database_url": database_url,
+            "database_url": (
+                request.getfixturevalue("database_url")
+                if "database_url" in request.fixturenames
+                else "sqlite+aiosqlite:///unused.db"
+            ),
             "concurrency": 4,
             "retry_backoff": 0.001,
             "retry_backoff_max": 0.01,

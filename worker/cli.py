@@ -19,7 +19,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("run", help="consume from WORKER_BROKER until SIGTERM/SIGINT")
     commands.add_parser("migrate", help="upgrade WORKER_DATABASE_URL to the newest schema")
-    demo = commands.add_parser("demo", help="the race and its cure, on SQLite and the memory broker")
+    demo = commands.add_parser(
+        "demo", help="the race and its cure, on SQLite and the memory broker"
+    )
     demo.add_argument("--messages", type=int, default=400, help="credit messages to send")
     publish = commands.add_parser(
         "publish", help='send JSON lines {"id", "type", "body", "headers"?} to the work queue'
@@ -38,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "migrate":
             return _migrate(settings)
         if args.command == "publish":
-            return asyncio.run(_publish(settings, args.file))
+            return asyncio.run(_publish(settings, _read_input(args.file)))
         if args.command == "dlq":
             return asyncio.run(_dlq(settings, args.limit, resubmit=args.resubmit))
         from worker.demo import demo as run_demo
@@ -72,18 +74,24 @@ def read_messages(lines: Iterable[str]) -> list[OutgoingMessage]:
             item = json.loads(line)
             body = item["body"]
             raw = body.encode() if isinstance(body, str) else json.dumps(body).encode()
-            messages.append(OutgoingMessage(item.get("id"), item["type"], raw, item.get("headers") or {}))
+            messages.append(
+                OutgoingMessage(item.get("id"), item["type"], raw, item.get("headers") or {})
+            )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ConfigurationError(f"publish input line {number}: {type(exc).__name__}: {exc}") from None
+            raise ConfigurationError(
+                f"publish input line {number}: {type(exc).__name__}: {exc}"
+            ) from None
     return messages
 
 
-async def _publish(settings: Settings, path: str) -> int:
+def _read_input(path: str) -> list[OutgoingMessage]:
     if path == "-":
-        messages = read_messages(sys.stdin)
-    else:
-        with open(path, encoding="utf-8") as handle:
-            messages = read_messages(handle)
+        return read_messages(sys.stdin)
+    with open(path, encoding="utf-8") as handle:
+        return read_messages(handle)
+
+
+async def _publish(settings: Settings, messages: list[OutgoingMessage]) -> int:
     admin = open_admin(settings)
     try:
         sent = await admin.publish(messages)
@@ -101,8 +109,16 @@ async def _dlq(settings: Settings, limit: int, *, resubmit: bool) -> int:
             print(f"re-submitted {moved} dead letters", file=sys.stderr)
             return 0
         for letter in await admin.dead_letters(limit):
-            print(json.dumps({"id": letter.message_id, "type": letter.type, "reason": letter.reason,
-                              "body": letter.body.decode("utf-8", "replace")}))
+            print(
+                json.dumps(
+                    {
+                        "id": letter.message_id,
+                        "type": letter.type,
+                        "reason": letter.reason,
+                        "body": letter.body.decode("utf-8", "replace"),
+                    }
+                )
+            )
     finally:
         await admin.close()
     return 0
@@ -111,10 +127,13 @@ async def _dlq(settings: Settings, limit: int, *, resubmit: bool) -> int:
 async def _run(settings: Settings) -> int:
     from worker.brokers import open_broker
     from worker.db import create_engine, ping, redact
+    from worker.ops import start_ops
     from worker.pump import Pump
     from worker.registry import import_handlers, registry
+    from worker.tracing import configure as configure_tracing
 
     import_handlers(settings.handler_modules)
+    shutdown_tracing = configure_tracing(settings)
     broker = open_broker(settings)
     engine = create_engine(settings.database_url, pool_size=settings.pool_size)
     log = logs.get_logger()
@@ -122,11 +141,21 @@ async def _run(settings: Settings) -> int:
         try:
             await ping(engine)
         except Exception as exc:
-            log.error("database unreachable at start", database=redact(settings.database_url), error=exc)
+            log.error(
+                "database unreachable at start", database=redact(settings.database_url), error=exc
+            )
             return 1
-        await Pump(broker, engine, registry, settings, name="worker").run(install_signal_handlers=True)
+        pump = Pump(broker, engine, registry, settings, name="worker")
+        ops = await start_ops(settings, pump)
+        try:
+            await pump.run(install_signal_handlers=True)
+        finally:  # probes answer (not ready) until the pump has settled its last delivery
+            if ops is not None:
+                await ops.stop()
     finally:
         await engine.dispose()
+        if shutdown_tracing is not None:
+            shutdown_tracing()  # flushes the spans still queued for export
     return 0
 
 

@@ -10,7 +10,12 @@ from sqlalchemy import MetaData, event, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+from sqlalchemy.ext.asyncio import (
+    AsyncEngine,
+    AsyncSession,
+    async_sessionmaker,
+    create_async_engine,
+)
 from sqlalchemy.orm import DeclarativeBase
 from sqlalchemy.orm.exc import StaleDataError
 
@@ -48,7 +53,9 @@ class PumpSession(AsyncSession):
     """
 
     async def commit(self) -> NoReturn:
-        raise TransactionOwnedByPump("handlers must not commit: the pump commits once, with the inbox marker")
+        raise TransactionOwnedByPump(
+            "handlers must not commit: the pump commits once, with the inbox marker"
+        )
 
     async def rollback(self) -> NoReturn:
         raise TransactionOwnedByPump("handlers must not roll back: raise an exception instead")
@@ -63,7 +70,9 @@ def create_engine(url: str, *, pool_size: int = 5) -> AsyncEngine:
         engine = create_async_engine(url, pool_size=pool_size, connect_args={"timeout": 30})
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine
-    return create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=False)
+    return create_async_engine(
+        url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=False
+    )
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:

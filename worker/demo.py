@@ -34,10 +34,16 @@ REPLICAS = 2
 
 _naive_metadata = MetaData()
 naive_accounts = Table(
-    "naive_accounts", _naive_metadata, Column("id", String, primary_key=True), Column("balance", Numeric(18, 2))
+    "naive_accounts",
+    _naive_metadata,
+    Column("id", String, primary_key=True),
+    Column("balance", Numeric(18, 2)),
 )
 naive_inbox = Table(  # no unique constraint: the check below is all it has
-    "naive_inbox", _naive_metadata, Column("id", Integer, primary_key=True), Column("message_id", String)
+    "naive_inbox",
+    _naive_metadata,
+    Column("id", Integer, primary_key=True),
+    Column("message_id", String),
 )
 
 
@@ -53,8 +59,10 @@ def naive_registry(caught: Counter[str]) -> Registry:
             return
         await asyncio.sleep(0.002)  # the work between check and save: where the race lives
         account = naive_accounts.c.id == message.account_id
-        balance = await session.scalar(select(naive_accounts.c.balance).where(account))
-        await session.execute(naive_accounts.update().where(account).values(balance=balance + message.amount))
+        balance = await session.scalar(select(naive_accounts.c.balance).where(account)) or 0
+        await session.execute(
+            naive_accounts.update().where(account).values(balance=balance + message.amount)
+        )
         await session.execute(naive_inbox.insert().values(message_id=ctx.message_id))
 
     return registry
@@ -87,10 +95,12 @@ async def run_replicas(database_url: str, registry: Registry, stream: list[Any])
     settings = Settings(database_url=database_url, concurrency=8, max_attempts=10)
     broker = MemoryBroker()
     engines = [create_engine(database_url, pool_size=10) for _ in range(REPLICAS)]
-    pumps = [Pump(broker.connect(), engine, registry, settings, name=f"replica-{i}") for i, engine in enumerate(engines)]
+    pumps = [
+        Pump(broker.connect(), engine, registry, settings, name=f"replica-{i}")
+        for i, engine in enumerate(engines)
+    ]
     tasks = [asyncio.create_task(pump.run()) for pump in pumps]
-    while not all(p.running for p in pumps):
-        await asyncio.sleep(0.001)
+    await asyncio.gather(*(pump.started.wait() for pump in pumps))
     for message_id, account, amount, misbehaviour in stream:
         body = {"account_id": account, "amount": str(amount)}
         broker.publish(message_id, "CreditRequested", body, **misbehaviour)
@@ -140,7 +150,9 @@ async def demo(messages: int = 400) -> int:
         real_s = time.perf_counter() - started
         real_balances = await balances(real["engine"], Account.__table__)
         async with real["engine"].connect() as connection:
-            markers = await connection.scalar(select(func.count()).select_from(Table("inbox", MetaData())))
+            markers = await connection.scalar(
+                select(func.count()).select_from(Table("inbox", MetaData()))
+            )
         await real["engine"].dispose()
 
     def exact(actual: dict[str, Decimal]) -> int:

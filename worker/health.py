@@ -72,7 +72,9 @@ class DatabaseHealth:
                 delay = min(delay * 2, self._backoff_max)
                 continue
             self._open.set()
-            self._log.info("database available, resuming", outage_s=round(time.monotonic() - since, 2))
+            self._log.info(
+                "database available, resuming", outage_s=round(time.monotonic() - since, 2)
+            )
             return
 
     async def close(self) -> None:

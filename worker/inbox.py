@@ -10,6 +10,7 @@ from sqlalchemy import (
     Identity,
     Integer,
     String,
+    Table,
     UniqueConstraint,
     bindparam,
     func,
@@ -47,6 +48,7 @@ class InboxMarker(Base):
 
 
 _table = InboxMarker.__table__
+assert isinstance(_table, Table)
 _MARK = insert(_table).values(message_id=bindparam("m"), consumer=bindparam("c"))
 _EXISTS = (
     select(literal(1))

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
-from worker import inbox
+from worker import inbox, metrics
 from worker.brokers import Broker
 from worker.db import Failure, PumpSession, classify, session_factory
 from worker.delivery import Delivery
@@ -39,6 +40,9 @@ from worker.logs import get_logger
 from worker.registry import Context, Handler, Registry
 from worker.retry import backoff
 from worker.settings import Settings
+
+if TYPE_CHECKING:
+    from worker.tracing import Tracing
 
 ACK, NACK, DEAD_LETTER = "ack", "nack", "dead-letter"
 
@@ -84,13 +88,25 @@ class Pump:
         self.health = DatabaseHealth(engine, self._log, settings.db_probe_backoff_max)
         self._stop = asyncio.Event()
         self._idle: set[asyncio.Task[None]] = set()
+        self.started = asyncio.Event()
         self.running = False
+        # Instrumentation: plain tallies, read by worker.metrics at scrape time.
+        self.outcomes: Counter[tuple[str, str]] = Counter()  # (consumer, outcome)
+        self.in_flight = 0
+        self.tracing: Tracing | None = None  # None: not one OpenTelemetry call per delivery
+        if settings.tracing:
+            from worker.tracing import Tracing
+
+            self.tracing = Tracing(broker, engine)
+        metrics.track(self)
 
     # -- lifecycle --------------------------------------------------------------
 
     @property
     def ready(self) -> bool:
-        return self.running and not self._stop.is_set() and self.broker.ready and self.health.available
+        return (
+            self.running and not self._stop.is_set() and self.broker.ready and self.health.available
+        )
 
     def stop(self) -> None:
         """Ask for a graceful stop; :meth:`run` returns once in-flight work is settled."""
@@ -104,6 +120,7 @@ class Pump:
         concurrency = self.settings.concurrency
         await self.broker.start(prefetch=concurrency)
         self.running = True
+        self.started.set()
         self._log.info("pump started", concurrency=concurrency, types=self.registry.message_types)
         workers = [asyncio.create_task(self._work()) for _ in range(concurrency)]
         try:
@@ -140,12 +157,18 @@ class Pump:
             await self.health.wait_available()
             delivery = await self.broker.receive()
             idle.discard(task)  # from here on, shutdown waits for this delivery
+            self.in_flight += 1
             try:
-                await self._handle(delivery)
+                if self.tracing is None:
+                    await self._handle(delivery)
+                else:
+                    await self.tracing.delivery(delivery, self._handle)
             except Exception:  # the pump must outlive any bug in a handler or adapter
                 self._log.exception("unexpected error", message_id=delivery.message_id)
                 if delivery.settled is None:
                     await self._settle(delivery, _Verdict(NACK, "nacked", "unexpected error"))
+            finally:
+                self.in_flight -= 1
 
     # -- one delivery -----------------------------------------------------------
 
@@ -154,7 +177,8 @@ class Pump:
         if delivery.message_id is None:
             return await self._settle(delivery, _Verdict(DEAD_LETTER, "poison", "no message id"))
         if delivery.delivery_count > settings.max_deliveries:
-            reason = f"delivered {delivery.delivery_count} times (WORKER_MAX_DELIVERIES={settings.max_deliveries})"
+            limit = settings.max_deliveries
+            reason = f"delivered {delivery.delivery_count} times (WORKER_MAX_DELIVERIES={limit})"
             return await self._settle(delivery, _Verdict(DEAD_LETTER, "exhausted", reason))
         handlers = self.registry.for_type(delivery.type)
         if not handlers:
@@ -167,16 +191,35 @@ class Pump:
             message = decoded.get(handler.model)
             if message is None:
                 try:
-                    message = decoded[handler.model] = handler.model.model_validate_json(delivery.body)
+                    message = decoded[handler.model] = handler.model.model_validate_json(
+                        delivery.body
+                    )
                 except ValidationError as exc:
                     reason = f"invalid body for {delivery.type}: {_first_error(exc)}"
                     return await self._settle(delivery, _Verdict(DEAD_LETTER, "poison", reason))
-            verdict = await self._consume(delivery, handler, message)
+            verdict = await self._consume_observed(delivery, handler, message)
             if verdict.verb != ACK:
                 break  # later handlers run on the redelivery; earlier ones are deduplicated
         await self._settle(delivery, verdict)
 
-    async def _consume(self, delivery: Delivery, handler: Handler[Any], message: BaseModel) -> _Verdict:
+    async def _consume_observed(
+        self, delivery: Delivery, handler: Handler[Any], message: BaseModel
+    ) -> _Verdict:
+        """:meth:`_consume`, timed and counted per consumer (and traced when tracing is on)."""
+        started = time.perf_counter()
+        if self.tracing is None:
+            verdict = await self._consume(delivery, handler, message)
+        else:
+            with self.tracing.transaction(handler.consumer) as span:
+                verdict = await self._consume(delivery, handler, message)
+                span.set_attribute("worker.outcome", verdict.outcome)
+        metrics.observe_handler(handler.consumer, time.perf_counter() - started)
+        self.outcomes[handler.consumer, verdict.outcome] += 1
+        return verdict
+
+    async def _consume(
+        self, delivery: Delivery, handler: Handler[Any], message: BaseModel
+    ) -> _Verdict:
         """Run one handler until it commits, is a duplicate, or must give the delivery back."""
         settings = self.settings
         message_id = delivery.message_id
@@ -193,7 +236,14 @@ class Pump:
                     return _DUPLICATE
                 if handler.inbox:
                     await inbox.mark(session, message_id, consumer)
-                context = Context(session, message_id, consumer, delivery.delivery_count, attempt, delivery.headers)
+                context = Context(
+                    session,
+                    message_id,
+                    consumer,
+                    delivery.delivery_count,
+                    attempt,
+                    delivery.headers,
+                )
                 await handler.func(context, message)
                 await AsyncSession.commit(session)
                 self._note(delivery, consumer, attempt, "committed")
@@ -219,7 +269,9 @@ class Pump:
                     return _Verdict(NACK, "attempts-exhausted", f"{failure.value}: {exc}")
                 self.stats[f"retried-{failure.value}"] += 1
                 self._note(delivery, consumer, attempt, "retrying", failure=failure.value)
-                await asyncio.sleep(backoff(attempt, settings.retry_backoff, settings.retry_backoff_max))
+                await asyncio.sleep(
+                    backoff(attempt, settings.retry_backoff, settings.retry_backoff_max)
+                )
             finally:
                 await _discard(session)
 
@@ -236,24 +288,37 @@ class Pump:
             exc_info=exc,
         )
         if last:
-            return _Verdict(DEAD_LETTER, "exhausted", f"failed {delivery.delivery_count} deliveries: {reason}")
+            return _Verdict(
+                DEAD_LETTER, "exhausted", f"failed {delivery.delivery_count} deliveries: {reason}"
+            )
         return _Verdict(NACK, "failed", reason)
 
-    def _note(self, delivery: Delivery, consumer: str, attempt: int, outcome: str, **extra: Any) -> None:
+    def _note(
+        self, delivery: Delivery, consumer: str, attempt: int, outcome: str, **extra: Any
+    ) -> None:
         self.stats[outcome] += 1
         if outcome == "committed":
-            return  # the hot path: debug logging of every commit costs more than the commit's Python work
+            return  # hot path: logging each commit costs more than its Python work
         log = self._log.info if outcome == "duplicate" else self._log.warning
         if outcome == "retrying":
             log = self._log.debug
-        log(outcome, message_id=delivery.message_id, consumer=consumer, attempt=attempt, outcome=outcome,
-            delivery_count=delivery.delivery_count, **extra)
+        log(
+            outcome,
+            message_id=delivery.message_id,
+            consumer=consumer,
+            attempt=attempt,
+            outcome=outcome,
+            delivery_count=delivery.delivery_count,
+            **extra,
+        )
 
     async def _settle(self, delivery: Delivery, verdict: _Verdict) -> None:
         """The one place a delivery is settled. A lost settlement is never a success."""
         # Not shielded: the only cancellation is the shutdown's after its grace
         # period, and an ack cut short is a redelivery that the inbox absorbs.
         verb = verdict.verb
+        if self.tracing is not None:
+            self.tracing.settling(verdict.outcome, verb, verdict.reason)
         try:
             if verb == ACK:
                 await delivery.ack()
@@ -264,14 +329,24 @@ class Pump:
                 await delivery.dead_letter(verdict.reason)
         except (SettlementLost, WorkerError) as exc:
             self.stats["settlement-lost"] += 1
-            self._log.warning("settlement lost, broker will redeliver", message_id=delivery.message_id,
-                              verb=verb, error=exc, outcome="settlement-lost")
+            self._log.warning(
+                "settlement lost, broker will redeliver",
+                message_id=delivery.message_id,
+                verb=verb,
+                error=exc,
+                outcome="settlement-lost",
+            )
             return
         self.stats[verb] += 1
         if verb == DEAD_LETTER:
-            self._log.warning("dead-lettered", message_id=delivery.message_id, type=delivery.type,
-                              delivery_count=delivery.delivery_count, reason=verdict.reason,
-                              outcome=verdict.outcome)
+            self._log.warning(
+                "dead-lettered",
+                message_id=delivery.message_id,
+                type=delivery.type,
+                delivery_count=delivery.delivery_count,
+                reason=verdict.reason,
+                outcome=verdict.outcome,
+            )
 
 
 async def _discard(session: AsyncSession) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -91,7 +91,7 @@ class Registry:
     def message_types(self) -> list[str]:
         return sorted(self._by_type)
 
-    def __iter__(self) -> Iterable[Handler[Any]]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[Handler[Any]]:
         return (h for group in self._by_type.values() for h in group)
 
 

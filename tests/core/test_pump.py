@@ -102,9 +102,7 @@ TABLE: list[tuple[str | None, str, bytes, list[str]]] = [
 ]
 
 
-async def test_settlement_table(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
-) -> None:
+async def test_settlement_table(engine: AsyncEngine, make_settings: Any, run_pumps: Any) -> None:
     async with engine.begin() as connection:
         await connection.execute(
             text("CREATE TABLE orders (id INTEGER PRIMARY KEY, number VARCHAR(20) UNIQUE)")
@@ -334,7 +332,9 @@ async def test_serialization_failure_and_deadlock_are_retried(
         await apply_credit(ctx, message)
         if ctx.attempt == 1:  # a real server error carrying the SQLSTATE
             await ctx.session.execute(
-                text(f"DO $$ BEGIN RAISE EXCEPTION 'simulated' USING ERRCODE = '{sqlstate}'; END $$")
+                text(
+                    f"DO $$ BEGIN RAISE EXCEPTION 'simulated' USING ERRCODE = '{sqlstate}'; END $$"
+                )
             )
 
     broker = MemoryBroker()
@@ -366,7 +366,9 @@ async def test_in_process_attempts_exhausted_nack_then_succeed(
             await apply_credit(ctx, message)
 
     broker = MemoryBroker()
-    async with run_pumps([broker.connect()], [engine], registry, make_settings(max_attempts=3)) as pumps:
+    async with run_pumps(
+        [broker.connect()], [engine], registry, make_settings(max_attempts=3)
+    ) as pumps:
         broker.publish("m1", "Credit", BODY)
         await broker.wait_idle(timeout=10)
     assert verbs(broker, "m1") == ["nack", "ack"]

@@ -60,7 +60,9 @@ async def test_without_the_constraint_both_replicas_apply_the_credit(database_ur
     try:
         await _seed(engines[0])
         barrier = asyncio.Barrier(2)
-        results = await asyncio.gather(*(_check_then_save(e, "naive_inbox", barrier) for e in engines))
+        results = await asyncio.gather(
+            *(_check_then_save(e, "naive_inbox", barrier) for e in engines)
+        )
         assert results == ["committed", "committed"]
         assert await _totals(engines[0], "naive_inbox") == (Decimal(20), 2)  # credited twice
     finally:
@@ -102,8 +104,12 @@ async def test_two_pumps_given_the_same_message_at_once_apply_it_once(
     engines = [create_engine(database_url) for _ in range(2)]
     broker = MemoryBroker()
     try:
-        async with run_pumps([broker.connect(), broker.connect()], engines, registry, make_settings()) as pumps:
-            broker.publish("m1", "CreditRequested", {"account_id": "a", "amount": "10"}, to_all=True)
+        async with run_pumps(
+            [broker.connect(), broker.connect()], engines, registry, make_settings()
+        ) as pumps:
+            broker.publish(
+                "m1", "CreditRequested", {"account_id": "a", "amount": "10"}, to_all=True
+            )
             await broker.wait_idle(timeout=10)
         assert [verb for verb, _, _ in broker.history] == ["ack", "ack"]
         assert sorted(p.stats["committed"] for p in pumps) == [0, 1]

@@ -108,7 +108,9 @@ def _adapter_module(settings: Settings) -> Any:
     try:
         return importlib.import_module(f"worker.brokers.{settings.broker}")
     except ModuleNotFoundError as exc:
-        raise ConfigurationError(f"WORKER_BROKER: {settings.broker!r} is not available: {exc}") from None
+        raise ConfigurationError(
+            f"WORKER_BROKER: {settings.broker!r} is not available: {exc}"
+        ) from None
 
 
 def open_broker(settings: Settings) -> Broker:

@@ -89,6 +89,7 @@ class MemoryBroker:
         self._in_flight = 0
         self._delayed = 0
         self._next_consumer = 0
+        self._changed = asyncio.Event()
 
     @classmethod
     def from_settings(cls, settings: Settings) -> MemoryBroker:
@@ -139,11 +140,12 @@ class MemoryBroker:
         """Nothing ready, nothing unsettled, nothing waiting to come back."""
         return not self.ready and self._in_flight == 0 and self._delayed == 0
 
-    async def wait_idle(self, timeout: float) -> None:
+    async def wait_idle(self, timeout: float) -> None:  # noqa: ASYNC109 - a bounded test wait
         """Wait (bounded) until every message is settled for good."""
         async with asyncio.timeout(timeout):
             while not self.idle:
-                await asyncio.sleep(0.01)
+                self._changed.clear()
+                await self._changed.wait()
 
     # -- internals --------------------------------------------------------------
 
@@ -178,6 +180,7 @@ class MemoryBroker:
     def _end(self, flight: _Flight) -> None:
         if not flight.live:
             raise SettlementLost(f"message {flight.message.message_id!r}: lock lost")
+        self._changed.set()
         flight.live = False
         if flight.timer is not None:
             flight.timer.cancel()
@@ -199,6 +202,7 @@ class MemoryBroker:
 
         def back() -> None:
             self._delayed -= 1
+            self._changed.set()
             self.ready.append(message)
             self._dispatch()
 
@@ -300,7 +304,9 @@ class MemoryConsumer:
     async def dead_letter(self, handle: _Flight, reason: str) -> None:
         broker = self.broker
         broker._end(handle)
-        broker.history.append(("dead-letter", handle.message.message_id, handle.message.delivery_count))
+        broker.history.append(
+            ("dead-letter", handle.message.message_id, handle.message.delivery_count)
+        )
         broker.stats["dead_lettered"] += 1
         broker.dead_letters.append(DeadLetter(handle.message, reason))
         broker._dispatch()

@@ -1,0 +1,117 @@
+"""The command line as a newcomer and an operator meet it: real subprocesses."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from worker.logs import scrub
+
+
+def worker(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    return subprocess.run(
+        [sys.executable, "-m", "worker.cli", *args],
+        env={**clean, **(env or {})},
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "complaint"),
+    [
+        (
+            "WORKER_CONCURRENCY",
+            "lots",
+            "WORKER_CONCURRENCY='lots': Input should be a valid integer",
+        ),
+        (
+            "WORKER_CONCURRENCY",
+            "0",
+            "WORKER_CONCURRENCY='0': Input should be greater than or equal to 1",
+        ),
+        ("WORKER_BROKER", "kafkaesque", "WORKER_BROKER='kafkaesque': Input should be"),
+        ("WORKER_MAX_DELIVERIES", "-1", "WORKER_MAX_DELIVERIES"),
+        ("WORKER_DATABASE_URL", "mysql://u:hunter2@db/x", "WORKER_DATABASE_URL: Value error"),
+        ("WORKER_HANDLERS", "no_such_module", "WORKER_HANDLERS: cannot import 'no_such_module'"),
+    ],
+)
+def test_bad_configuration_stops_at_start_with_one_line(
+    variable: str, value: str, complaint: str, tmp_path: Path
+) -> None:
+    result = worker("run", env={variable: value}, cwd=tmp_path)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("worker: configuration error: ")
+    assert complaint in lines[0]
+    assert "hunter2" not in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_migrate_creates_the_schema(tmp_path: Path) -> None:
+    result = worker("migrate", env={"WORKER_LOG_FORMAT": "json"}, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    tables = {
+        row[0]
+        for row in sqlite3.connect(tmp_path / "worker.db").execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table'"
+        )
+    }
+    assert {"inbox", "accounts", "alembic_version"} <= tables
+    assert '"event": "migrated"' in result.stderr
+
+
+def test_demo_shows_the_naive_handler_wrong_and_the_worker_exact(tmp_path: Path) -> None:
+    result = worker("demo", "--messages", "200", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    table = dict(
+        (line[:30].strip(), line[30:].split())
+        for line in result.stdout.splitlines()
+        if line[30:].strip()
+    )
+    naive_total, worker_total = table["actual total"]
+    expected, _ = table["expected total"]
+    assert worker_total == expected != naive_total
+    assert table["accounts exact (of 5)"][1] == "5"
+    assert int(table["credits applied (commits)"][0]) > 200  # the naive one double-credited
+    assert table["credits applied (commits)"][1] == "200"
+    assert "every balance exact" in result.stdout
+
+
+def test_database_password_never_reaches_the_log(tmp_path: Path) -> None:
+    url = "postgresql+asyncpg://app:hunter2@127.0.0.1:1/app"  # nothing listens on port 1
+    result = worker(
+        "run", env={"WORKER_DATABASE_URL": url, "WORKER_LOG_FORMAT": "json"}, cwd=tmp_path
+    )
+    assert result.returncode == 1
+    assert "database unreachable at start" in result.stderr
+    assert "app:***@127.0.0.1:1/app" in result.stderr
+    assert "hunter2" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("postgresql+asyncpg://u:s3cret@h/db", "postgresql+asyncpg://u:***@h/db"),
+        ("amqps://guest:gu%40st@rabbit:5671/vh", "amqps://guest:***@rabbit:5671/vh"),
+        (
+            "Endpoint=sb://x/;SharedAccessKeyName=k;SharedAccessKey=abc=",
+            "Endpoint=sb://x/;SharedAccessKeyName=k;SharedAccessKey=***",
+        ),
+        ("host=db password=pw user=u", "host=db password=*** user=u"),
+        ("no secrets here", "no secrets here"),
+    ],
+)
+def test_scrub_masks_secrets(text: str, expected: str) -> None:
+    assert scrub(text) == expected

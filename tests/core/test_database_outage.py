@@ -1,0 +1,126 @@
+"""A database outage pauses the pump: nothing is dead-lettered, the log is not flooded."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from decimal import Decimal
+from typing import Any
+from urllib.parse import urlsplit
+
+from sqlalchemy import select
+from structlog.testing import capture_logs
+
+from handlers.credit import Account, CreditRequested, apply_credit
+from worker.brokers.memory import MemoryBroker
+from worker.db import create_engine
+from worker.registry import Context, Registry
+
+
+class TcpProxy:
+    """A loopback proxy to PostgreSQL that the test can cut (refuse + reset) and restore."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._pipes: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(
+            self._accept, "127.0.0.1", self.port, reuse_address=True
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def cut(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in list(self._pipes):
+            writer.transport.abort()
+        self._pipes.clear()
+        await self._server.wait_closed()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._pipes |= {writer, up_writer}
+        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError, asyncio.CancelledError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        writer.transport.abort()
+        self._pipes.discard(writer)
+
+
+async def test_outage_pauses_intake_and_loses_nothing(
+    postgres_only_url: str, make_settings: Any, run_pumps: Any
+) -> None:
+    target = urlsplit(postgres_only_url.replace("postgresql+asyncpg", "postgresql"))
+    proxy = TcpProxy(target.port or 5432)
+    await proxy.start()
+    proxied_url = postgres_only_url.replace(f":{target.port}/", f":{proxy.port}/")
+    committed = asyncio.Event()
+    done = 0
+    registry = Registry()
+
+    @registry.handler("CreditRequested", CreditRequested, consumer="credit")
+    async def credit(ctx: Context, message: CreditRequested) -> None:
+        nonlocal done
+        await asyncio.sleep(0.005)
+        await apply_credit(ctx, message)
+        done += 1
+        if done == 40:
+            committed.set()
+
+    engine = create_engine(proxied_url, pool_size=6)
+    direct = create_engine(postgres_only_url)
+    broker = MemoryBroker()
+    settings = make_settings(
+        database_url=proxied_url,
+        concurrency=4,
+        max_deliveries=3,
+        max_attempts=100,
+        db_probe_backoff_max=0.2,
+    )
+    messages = 300
+    try:
+        with capture_logs() as logs:
+            async with run_pumps([broker.connect()], [engine], registry, settings) as pumps:
+                for n in range(messages):
+                    broker.publish(f"m{n}", "CreditRequested", {"account_id": "a", "amount": "1"})
+                await asyncio.wait_for(committed.wait(), 30)
+                await proxy.cut()
+                await asyncio.sleep(0.3)
+                assert not pumps[0].ready  # paused: a readiness probe would say so
+                taken_while_down = broker.stats["delivered"]
+                await asyncio.sleep(1.0)
+                assert broker.stats["delivered"] == taken_while_down  # no intake while paused
+                await proxy.start()
+                await broker.wait_idle(timeout=60)
+                assert pumps[0].ready
+        async with direct.connect() as connection:
+            total = await connection.scalar(select(Account.balance).where(Account.id == "a"))
+    finally:
+        await engine.dispose()
+        await direct.dispose()
+        with contextlib.suppress(Exception):
+            await proxy.cut()
+
+    assert Decimal(total) == messages
+    assert broker.dead_letters == []
+    pump = pumps[0]
+    assert pump.health.outages >= 1
+    events = [entry["event"] for entry in logs]
+    assert events.count("database unavailable, pausing intake") == pump.health.outages
+    assert events.count("database available, resuming") == pump.health.outages
+    assert "handler failed" not in events  # an outage is not the handler's fault
+    # at most the in-flight deliveries were given back, per outage
+    assert 1 <= pump.stats["paused"] <= settings.concurrency * pump.health.outages
+    assert broker.stats["nacked"] == pump.stats["paused"]
+    assert sum(1 for entry in logs if entry.get("exc_info")) == 0  # no traceback flood
