@@ -1,0 +1,172 @@
+"""The acceptance scenario on Service Bus, in one process: several pumps, one namespace.
+
+Three workers share a queue carrying credits of which a fifth were sent twice
+(a producer's retry). One worker is killed mid-stream: its client is cut off,
+so its settlements fail and the messages it held locked come back only when
+their locks run out, to whichever worker is free. A fourth worker starts as the
+replacement. The balances must come out exact and every message id must be
+marked exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from collections.abc import Callable
+from decimal import Decimal
+
+import pytest
+from pydantic import SecretStr
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from handlers.credit import Account, CreditRequested, apply_credit
+from tests.servicebus.fake import FakeClient, FakeServiceBus
+from worker.brokers import OutgoingMessage
+from worker.brokers.servicebus import ServiceBusAdmin, ServiceBusConsumer, ServiceBusSettings
+from worker.db import create_engine
+from worker.inbox import InboxMarker
+from worker.pump import Pump
+from worker.registry import Context, Registry
+from worker.settings import Settings
+
+CREDITS, ACCOUNTS = 300, 10
+CONNECTION_STRING = (
+    "Endpoint=sb://fake.servicebus.windows.net/;SharedAccessKeyName=t;SharedAccessKey=s"
+)
+
+
+class Process:
+    """A worker process's network: ``kill`` cuts every client it made and will make."""
+
+    def __init__(self, bus: FakeServiceBus) -> None:
+        self.bus = bus
+        self.killed = False
+        self.clients: list[FakeClient] = []
+
+    def __call__(self) -> FakeClient:
+        client = self.bus.client()
+        self.clients.append(client)
+        if self.killed:
+            self.bus.sever(client)
+        return client
+
+    def kill(self) -> None:
+        self.killed = True
+        for client in self.clients:
+            self.bus.sever(client)
+
+
+class Worker:
+    def __init__(
+        self, bus: FakeServiceBus, sb: ServiceBusSettings, settings: Settings, name: str
+    ) -> None:
+        self.process = Process(bus)
+        self.consumer = ServiceBusConsumer(sb, self.process)
+        self.engine: AsyncEngine = create_engine(
+            settings.database_url, pool_size=settings.pool_size
+        )
+        self.pump = Pump(self.consumer, self.engine, registry(), settings, name=name)
+        self.task = asyncio.create_task(self.pump.run())
+
+    async def stop(self) -> None:
+        self.pump.stop()
+        async with asyncio.timeout(30):
+            await self.task
+        await self.engine.dispose()
+
+
+def registry() -> Registry:
+    handlers = Registry()
+
+    @handlers.handler("CreditRequested", CreditRequested, consumer="credit")
+    async def credit(ctx: Context, message: CreditRequested) -> None:
+        await asyncio.sleep(0.002)  # keep every worker holding a few locks
+        await apply_credit(ctx, message)
+
+    return handlers
+
+
+def credits() -> tuple[list[OutgoingMessage], dict[str, Decimal]]:
+    messages: list[OutgoingMessage] = []
+    expected: dict[str, Decimal] = {}
+    for n in range(CREDITS):
+        account, amount = f"acct-{n % ACCOUNTS}", Decimal(n % 7 + 1)
+        body = json.dumps({"account_id": account, "amount": str(amount)}).encode()
+        message = OutgoingMessage(f"credit-{n}", "CreditRequested", body)
+        messages += [message, message] if n % 5 == 0 else [message]
+        expected[account] = expected.get(account, Decimal(0)) + amount
+    return messages, expected
+
+
+async def until(predicate: Callable[[], bool], seconds: float, what: str) -> None:
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            pytest.fail(f"timed out after {seconds}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def test_several_pumps_duplicates_and_a_killed_worker(database_url: str) -> None:
+    bus = FakeServiceBus()
+    queue = bus.create_queue("work", lock_duration=3.0, max_delivery_count=10)
+    sb = ServiceBusSettings(
+        connection_string=SecretStr(CONNECTION_STRING),
+        queue="work",
+        receive_wait=0.2,
+        reconnect_backoff=0.05,
+        reconnect_backoff_max=0.2,
+    )
+    settings = Settings(
+        database_url=database_url,
+        concurrency=4,
+        max_deliveries=5,
+        retry_backoff=0.001,
+        retry_backoff_max=0.02,
+        grace_period=5.0,
+    )
+    messages, expected = credits()
+    admin = ServiceBusAdmin(sb, bus.client)
+    workers = [Worker(bus, sb, settings, f"worker-{n}") for n in range(3)]
+
+    async def produce() -> None:
+        for start in range(0, len(messages), 40):
+            await admin.publish(messages[start : start + 40])
+            await asyncio.sleep(0.05)
+
+    producer = asyncio.create_task(produce())
+    victim = workers[0]
+    await until(
+        lambda: victim.pump.stats["ack"] >= 20 and victim.consumer.unsettled > 0,
+        30,
+        "the first worker to be busy",
+    )
+    victim.process.kill()
+    await victim.stop()  # nothing it held can be settled now: its locks must run out
+    workers.append(Worker(bus, sb, settings, "replacement"))
+
+    await producer
+    await until(lambda: bus.idle, 60, "every message settled")
+    for worker in workers[1:]:
+        await worker.stop()
+    await admin.close()
+
+    engine = create_engine(database_url, pool_size=1)
+    try:
+        async with engine.connect() as connection:
+            rows = await connection.execute(select(Account.id, Account.balance))
+            balances = {row.id: Decimal(row.balance) for row in rows}
+            markers = (
+                await connection.execute(select(func.count()).select_from(InboxMarker))
+            ).scalar()
+    finally:
+        await engine.dispose()
+    assert balances == expected
+    assert markers == CREDITS
+    assert queue.dead_letter is not None and queue.dead_letter.count == 0
+    assert queue.stats["lock_expired"] >= 1  # the killed worker's locks ran out
+    totals = sum((w.pump.stats for w in workers), Counter[str]())
+    assert totals["committed"] == CREDITS
+    assert totals["duplicate"] >= CREDITS // 5
+    assert victim.pump.stats["settlement-lost"] + victim.consumer.stats["receive_failed"] >= 1
