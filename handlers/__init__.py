@@ -1,5 +1,5 @@
 """Business handlers. Importing this package registers them (``WORKER_HANDLERS=handlers``)."""
 
-from handlers import credit
+from handlers import credit, notify, pricing
 
-__all__ = ["credit"]
+__all__ = ["credit", "notify", "pricing"]

@@ -30,6 +30,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     dlq = commands.add_parser("dlq", help="list dead letters with their reasons, or re-submit them")
     dlq.add_argument("--resubmit", action="store_true", help="move them back to the work queue")
     dlq.add_argument("--limit", type=int, default=100, help="at most this many")
+    sweep = commands.add_parser("sweep", help="list side-effect claims left past their lease")
+    sweep.add_argument("--redrive", action="store_true", help="finish them from the stored body")
+    sweep.add_argument("--limit", type=int, default=100, help="at most this many")
+    commands.add_parser("purge-inbox", help="delete finished markers older than the retention")
     args = parser.parse_args(argv)
 
     try:
@@ -43,6 +47,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_publish(settings, _read_input(args.file)))
         if args.command == "dlq":
             return asyncio.run(_dlq(settings, args.limit, resubmit=args.resubmit))
+        if args.command == "sweep":
+            from worker.claims import sweep_command
+
+            return asyncio.run(
+                sweep_command(settings, redrive_claims=args.redrive, limit=args.limit)
+            )
+        if args.command == "purge-inbox":
+            from worker.retention import purge_command
+
+            return asyncio.run(purge_command(settings))
         from worker.demo import demo as run_demo
 
         logs.configure("ERROR", settings.log_format)  # the demo's output is its table

@@ -40,3 +40,53 @@ class Retry(WorkerError):
     def __init__(self, reason: str = "retry requested", *, delay: float | None = None) -> None:
         super().__init__(reason)
         self.delay = delay
+
+
+class Rejected(WorkerError):
+    """Not applied and never retried: the pump records it (table ``rejections``) and acks.
+
+    Raised for outcomes that are final by design: the sender's expected version
+    no longer matches, the row is gone, or a merge found both sides changed one
+    field. Retrying would either fail forever or apply the change over newer data.
+    """
+
+    outcome = "rejected"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        subject: str | None = None,
+        expected: int | None = None,
+        actual: int | None = None,
+        detail: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.subject = subject
+        self.expected = expected
+        self.actual = actual
+        self.detail = detail
+
+
+class PreconditionFailed(Rejected):
+    """The sender's ``expected_version`` is not the row's version (HTTP 412, as a message)."""
+
+    outcome = "precondition-failed"
+
+
+class RowDeleted(Rejected):
+    """A version-token conflict on a row that no longer exists: not a change to retry."""
+
+    outcome = "deleted"
+
+
+class MergeConflict(Rejected):
+    """A merge found a field that both this handler and another writer changed, differently."""
+
+    outcome = "merge-conflict"
+
+    def __init__(
+        self, message: str, *, fields: tuple[str, ...], subject: str | None = None
+    ) -> None:
+        super().__init__(message, subject=subject, detail="fields: " + ", ".join(fields))
+        self.fields = fields

@@ -8,7 +8,9 @@ from sqlalchemy import (
     BigInteger,
     DateTime,
     Identity,
+    Index,
     Integer,
+    LargeBinary,
     String,
     Table,
     UniqueConstraint,
@@ -17,6 +19,7 @@ from sqlalchemy import (
     insert,
     literal,
     select,
+    text,
 )
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Mapped, mapped_column
@@ -32,7 +35,18 @@ class InboxMarker(Base):
     """
 
     __tablename__ = "inbox"
-    __table_args__ = (UniqueConstraint("message_id", "consumer", name=INBOX_CONSTRAINT),)
+    __table_args__ = (
+        UniqueConstraint("message_id", "consumer", name=INBOX_CONSTRAINT),
+        # The purge walks finished markers by age; the sweeper finds expired claims.
+        # Only claims have a lease, so the partial index costs regular markers nothing.
+        Index("ix_inbox_processed_at", "processed_at"),
+        Index(
+            "ix_inbox_lease_until",
+            "lease_until",
+            postgresql_where=text("lease_until IS NOT NULL"),
+            sqlite_where=text("lease_until IS NOT NULL"),
+        ),
+    )
 
     id: Mapped[int] = mapped_column(
         BigInteger().with_variant(Integer(), "sqlite"), Identity(), primary_key=True
@@ -45,6 +59,15 @@ class InboxMarker(Base):
     processed_at: Mapped[datetime | None] = mapped_column(
         DateTime(timezone=True), server_default=func.current_timestamp()
     )
+    # Two-phase claims (worker.claims). Server defaults only: a regular marker's
+    # INSERT names two columns and is "finished" the moment it commits.
+    state: Mapped[str] = mapped_column(String(16), server_default="finished")
+    lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    claimed_by: Mapped[str | None] = mapped_column(String(128))
+    attempts: Mapped[int] = mapped_column(Integer, server_default="1")
+    outcome: Mapped[str | None] = mapped_column(String(255))
+    message_type: Mapped[str | None] = mapped_column(String(255))
+    body: Mapped[bytes | None] = mapped_column(LargeBinary)
 
 
 _table = InboxMarker.__table__

@@ -30,11 +30,12 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
-from worker import inbox, metrics
+from worker import claims, inbox, metrics, retention
 from worker.brokers import Broker
+from worker.concurrency import deleted_row, prepare_models, record_rejection
 from worker.db import Failure, PumpSession, classify, session_factory
 from worker.delivery import Delivery
-from worker.errors import Poison, Retry, SettlementLost, WorkerError
+from worker.errors import Poison, Rejected, Retry, SettlementLost, WorkerError
 from worker.health import DatabaseHealth
 from worker.logs import get_logger
 from worker.registry import Context, Handler, Registry
@@ -117,15 +118,22 @@ class Pump:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stop)
+        prepare_models(self._engine.dialect.name)  # refuses unusable tokens before any work
         concurrency = self.settings.concurrency
         await self.broker.start(prefetch=concurrency)
         self.running = True
         self.started.set()
         self._log.info("pump started", concurrency=concurrency, types=self.registry.message_types)
         workers = [asyncio.create_task(self._work()) for _ in range(concurrency)]
+        chores = retention.start(
+            self._engine, self._sessions, self.registry, self.settings, self._log
+        )
         try:
             await self._stop.wait()
         finally:
+            if chores is not None:
+                chores.cancel()
+                await asyncio.gather(chores, return_exceptions=True)
             await self._shutdown(workers)
 
     async def _shutdown(self, workers: list[asyncio.Task[None]]) -> None:
@@ -221,6 +229,8 @@ class Pump:
         self, delivery: Delivery, handler: Handler[Any], message: BaseModel
     ) -> _Verdict:
         """Run one handler until it commits, is a duplicate, or must give the delivery back."""
+        if handler.side_effect:
+            return await self._claimed(delivery, handler, message)
         settings = self.settings
         message_id = delivery.message_id
         assert message_id is not None
@@ -255,9 +265,9 @@ class Pump:
                 return _Verdict(NACK, "retry-requested", str(exc), exc.delay)
             except Exception as exc:
                 failure = classify(exc)
-                if failure is Failure.DUPLICATE:
-                    self._note(delivery, consumer, attempt, "duplicate")
-                    return _DUPLICATE
+                final = await self._final(delivery, handler, attempt, session, exc, failure)
+                if final is not None:
+                    return final
                 if failure is Failure.CONNECTION:
                     if not await self.health.confirm():
                         self._note(delivery, consumer, attempt, "paused", error=exc)
@@ -274,6 +284,78 @@ class Pump:
                 )
             finally:
                 await _discard(session)
+
+    async def _final(
+        self,
+        delivery: Delivery,
+        handler: Handler[Any],
+        attempt: int,
+        session: AsyncSession,
+        exc: Exception,
+        failure: Failure,
+    ) -> _Verdict | None:
+        """The errors that end a delivery without a retry: duplicate, rejected, row deleted."""
+        if failure is Failure.DUPLICATE:
+            self._note(delivery, handler.consumer, attempt, "duplicate")
+            return _DUPLICATE
+        rejected = exc if isinstance(exc, Rejected) else None
+        if rejected is None and failure is Failure.CONFLICT:  # changed, or gone?
+            rejected = await deleted_row(session, exc, self._sessions)
+        if rejected is None:
+            return None
+        await _discard(session)  # on PostgreSQL its marker would block the record's
+        return await self._rejected(delivery, handler, attempt, rejected)
+
+    async def _claimed(
+        self, delivery: Delivery, handler: Handler[Any], message: BaseModel
+    ) -> _Verdict:
+        """A side-effect handler: claim with a lease, call, mark finished (worker/claims.py)."""
+        try:
+            result = await claims.process(
+                self._sessions, handler, message, delivery, self.settings, self._log
+            )
+        except Exception as exc:
+            if classify(exc) is Failure.CONNECTION and not await self.health.confirm():
+                self._note(delivery, handler.consumer, 1, "paused", error=exc)
+                return _PAUSED
+            return self._failed(delivery, handler.consumer, 1, exc)
+        self._note(delivery, handler.consumer, 1, result.outcome, reason=result.reason)
+        return _Verdict(result.verb, result.outcome, result.reason, result.delay)
+
+    async def _rejected(
+        self, delivery: Delivery, handler: Handler[Any], attempt: int, exc: Rejected
+    ) -> _Verdict:
+        """Not applied and never retried: record it with the inbox marker, then ack."""
+        consumer = handler.consumer
+        assert delivery.message_id is not None
+        try:
+            recorded = await record_rejection(
+                self._sessions,
+                delivery.message_id,
+                consumer,
+                delivery.type,
+                exc,
+                with_marker=handler.inbox,
+            )
+        except Exception as error:
+            if classify(error) is Failure.CONNECTION and not await self.health.confirm():
+                self._note(delivery, consumer, attempt, "paused", error=error)
+                return _PAUSED
+            return self._failed(delivery, consumer, attempt, error)
+        if not recorded:
+            self._note(delivery, consumer, attempt, "duplicate")
+            return _DUPLICATE
+        self._note(
+            delivery,
+            consumer,
+            attempt,
+            exc.outcome,
+            reason=str(exc),
+            subject=exc.subject,
+            expected=exc.expected,
+            actual=exc.actual,
+        )
+        return _Verdict(ACK, exc.outcome, str(exc))
 
     def _failed(self, delivery: Delivery, consumer: str, attempt: int, exc: Exception) -> _Verdict:
         reason = f"{consumer}: {type(exc).__name__}: {exc}"

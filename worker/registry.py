@@ -47,6 +47,7 @@ class Handler(Generic[M]):
     func: HandlerFunc[M]
     consumer: str
     inbox: bool
+    side_effect: bool = False
 
 
 class Registry:
@@ -62,6 +63,7 @@ class Registry:
         *,
         consumer: str | None = None,
         inbox: bool = True,
+        side_effect: bool = False,
     ) -> Callable[[HandlerFunc[M]], HandlerFunc[M]]:
         """Register ``func`` for ``message_type``.
 
@@ -69,13 +71,17 @@ class Registry:
         dotted path, so renaming the function renames the consumer (set it
         explicitly in production). ``inbox=False`` opts a handler that is
         idempotent by nature (an upsert of an absolute value) out of the inbox.
+        ``side_effect=True`` makes it a two-phase claim handler for calls that
+        cannot join the transaction (see :mod:`worker.claims`).
         """
+        if side_effect and not inbox:
+            raise ConfigurationError(f"{message_type}: a side-effect handler needs the inbox")
 
         def register(func: HandlerFunc[M]) -> HandlerFunc[M]:
             name = consumer or f"{func.__module__}.{func.__qualname__}"
             if name in self.consumers():
                 raise ConfigurationError(f"consumer name {name!r} is registered twice")
-            entry: Handler[M] = Handler(message_type, model, func, name, inbox)
+            entry: Handler[M] = Handler(message_type, model, func, name, inbox, side_effect)
             self._by_type[message_type] = (*self._by_type.get(message_type, ()), entry)
             return func
 

@@ -1,0 +1,48 @@
+"""A side effect outside the transaction: the welcome e-mail, through an HTTP mail API.
+
+Registered with :func:`worker.claims.side_effect`, so it runs as a two-phase
+claim with a lease: the call happens at least once and, thanks to the
+``Idempotency-Key`` header (the message id), takes effect once at the provider.
+"""
+
+from __future__ import annotations
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field
+
+from worker.claims import ClaimContext, side_effect
+from worker.errors import ConfigurationError, Poison, Retry
+
+# The provider may succeed later on these; any other 4xx will never succeed.
+_TRY_AGAIN = frozenset({408, 409, 425, 429})
+
+
+class SendWelcomeEmail(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    user_id: str = Field(min_length=1, max_length=255)
+    email: str = Field(min_length=3, max_length=320, pattern=r"^[^@\s]+@[^@\s]+$")
+
+
+@side_effect("SendWelcomeEmail", SendWelcomeEmail, consumer="welcome-email")
+async def send_welcome_email(ctx: ClaimContext, message: SendWelcomeEmail) -> str:
+    url = ctx.settings.mail_api_url
+    if not url:
+        raise ConfigurationError("WORKER_MAIL_API_URL is not set")
+    async with httpx.AsyncClient(timeout=ctx.settings.claim_call_timeout) as client:
+        response = await client.post(
+            url,
+            json={"template": "welcome", "user_id": message.user_id, "to": message.email},
+            headers={"Idempotency-Key": ctx.idempotency_key},
+        )
+    status = response.status_code
+    if status < 300:
+        return f"HTTP {status}"
+    if status >= 500 or status in _TRY_AGAIN:
+        raise Retry(f"mail API answered HTTP {status}", delay=_retry_after(response))
+    raise Poison(f"mail API refused the message: HTTP {status}")
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("Retry-After", "")
+    return float(value) if value.isdigit() else None

@@ -1,0 +1,392 @@
+"""Two-phase claims with a lease, against a real HTTP server on 127.0.0.1 (DESIGN rule 8).
+
+The crash cases here cut the attempt in-process: the pump is stopped with no
+grace period while its handler waits between claim and call (or between call
+and mark), so the attempt is cancelled there and its consumer vanishes
+unsettled, exactly as a killed process leaves it. test_claim_crashes.py does
+the same with SIGKILL and a real process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import event
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from handlers.credit import CreditRequested, apply_credit
+from handlers.notify import SendWelcomeEmail, send_welcome_email
+from tests.concurrency.concurrency_helpers import (
+    INBOX,
+    MailServer,
+    add_marker,
+    count,
+    eventually,
+    inbox_rows,
+    run_cli,
+)
+from worker import claims
+from worker.brokers.memory import MemoryBroker
+from worker.claims import ClaimContext, side_effect
+from worker.db import create_engine, session_factory
+from worker.logs import get_logger
+from worker.pump import Pump
+from worker.registry import Context, Registry
+from worker.settings import Settings
+
+BODY = {"user_id": "u1", "email": "u1@example.com"}
+LOG = get_logger(test="claims")
+
+
+def claim_settings(make_settings: Any, server: MailServer, **overrides: Any) -> Settings:
+    values: dict[str, Any] = {
+        "mail_api_url": server.url,
+        "claim_lease": 0.6,
+        "claim_call_timeout": 0.4,
+        "purge_interval": 0,
+        "max_deliveries": 6,
+    }
+    values.update(overrides)
+    settings: Settings = make_settings(**values)
+    return settings
+
+
+def mail_registry(gate: Any = None) -> Registry:
+    """The real notify handler; ``gate(ctx, phase)`` may hold it before or after the call."""
+    registry = Registry()
+
+    @side_effect("SendWelcomeEmail", SendWelcomeEmail, consumer="welcome-email", registry=registry)
+    async def send(ctx: ClaimContext, message: SendWelcomeEmail) -> str | None:
+        if gate is not None:
+            await gate(ctx, "before-call")
+        outcome = await send_welcome_email(ctx, message)
+        if gate is not None:
+            await gate(ctx, "after-call")
+        return outcome
+
+    return registry
+
+
+async def test_two_replicas_racing_on_one_message_make_one_call(
+    database_url: str, make_settings: Any, run_pumps: Any, mail_server: MailServer
+) -> None:
+    mail_server.delay = 0.3  # the first call is still running when the twin arrives
+    settings = claim_settings(make_settings, mail_server)
+    broker = MemoryBroker()
+    engines = [create_engine(database_url), create_engine(database_url)]
+    try:
+        async with run_pumps(
+            [broker.connect(), broker.connect()], engines, mail_registry(), settings
+        ) as pumps:
+            broker.publish("welcome-1", "SendWelcomeEmail", BODY, to_all=True)
+            await broker.wait_idle(10)
+        stats = pumps[0].stats + pumps[1].stats
+        [row] = await inbox_rows(engines[0])
+    finally:
+        for engine in engines:
+            await engine.dispose()
+    assert mail_server.calls == Counter({"welcome-1": 1})
+    assert (row.state, row.outcome, row.lease_until, row.body) == (
+        "finished",
+        "HTTP 202",
+        None,
+        None,
+    )
+    assert row.processed_at is not None
+    assert stats["committed"] == 1
+    assert stats["claim-held"] >= 1  # the twin saw a live claim and came back later
+    assert stats["duplicate"] == 1  # ... and found it finished
+    assert not broker.dead_letters
+
+
+async def test_a_finished_claim_is_acked_without_a_call(
+    engine: AsyncEngine, make_settings: Any, run_pumps: Any, mail_server: MailServer
+) -> None:
+    broker = MemoryBroker()
+    settings = claim_settings(make_settings, mail_server)
+    async with run_pumps([broker.connect()], [engine], mail_registry(), settings) as [pump]:
+        broker.publish("welcome-1", "SendWelcomeEmail", BODY)
+        await broker.wait_idle(5)
+        broker.publish("welcome-1", "SendWelcomeEmail", BODY)  # a producer retry, later
+        await broker.wait_idle(5)
+    assert mail_server.calls["welcome-1"] == 1
+    assert pump.stats["duplicate"] == 1
+    assert [verb for verb, _, _ in broker.history] == ["ack", "ack"]
+
+
+async def test_a_live_claim_is_left_to_its_owner_and_nacked_with_a_delay(
+    engine: AsyncEngine, make_settings: Any, run_pumps: Any, mail_server: MailServer
+) -> None:
+    await add_marker(
+        engine, "welcome-1", consumer="welcome-email", state="claimed", lease=timedelta(seconds=30)
+    )
+    broker = MemoryBroker()
+    settings = claim_settings(make_settings, mail_server, claim_lease=60, claim_call_timeout=5)
+    async with run_pumps([broker.connect()], [engine], mail_registry(), settings) as [pump]:
+        broker.publish("welcome-1", "SendWelcomeEmail", BODY)
+        await eventually(lambda: pump.stats["claim-held"] == 1)
+        assert broker._delayed == 1  # held back for about the lease's remaining 30 s
+    assert mail_server.calls["welcome-1"] == 0
+    [row] = await inbox_rows(engine)
+    assert (row.state, row.claimed_by) == ("claimed", "someone-else")
+
+
+@pytest.mark.parametrize("cut", ["before-call", "after-call"])
+async def test_a_crash_between_phases_still_ends_in_one_effect(
+    cut: str, database_url: str, make_settings: Any, run_pumps: Any, mail_server: MailServer
+) -> None:
+    """Cut between claim and call: the call happens once, one lease later. Cut between call
+    and mark: the call is repeated with the same key, and the provider applies it once."""
+    reached = asyncio.Event()
+
+    async def hold_first(ctx: ClaimContext, phase: str) -> None:
+        if phase == cut and ctx.claim.attempts == 1:
+            reached.set()
+            await asyncio.Event().wait()  # until the pump is cut down
+
+    broker = MemoryBroker()
+    engines = [create_engine(database_url), create_engine(database_url)]
+    doomed = claim_settings(make_settings, mail_server, grace_period=0)
+    try:
+        async with run_pumps([broker.connect()], engines[:1], mail_registry(hold_first), doomed):
+            broker.publish("welcome-1", "SendWelcomeEmail", BODY)
+            await eventually(reached.is_set)
+        # The replica is gone: its attempt was cancelled, its delivery went back unsettled.
+        [claimed] = await inbox_rows(engines[1])
+        assert (claimed.state, claimed.processed_at) == ("claimed", None)
+        assert mail_server.calls["welcome-1"] == (1 if cut == "after-call" else 0)
+
+        survivor = claim_settings(make_settings, mail_server)
+        async with run_pumps([broker.connect()], engines[1:], mail_registry(), survivor) as [pump]:
+            await broker.wait_idle(10)
+        [row] = await inbox_rows(engines[1])
+    finally:
+        for engine in engines:
+            await engine.dispose()
+    assert (row.state, row.outcome, row.attempts) == ("finished", "HTTP 202", 2)  # taken over
+    assert mail_server.calls["welcome-1"] == (2 if cut == "after-call" else 1)
+    assert list(mail_server.effects) == ["welcome-1"]  # one effect per key at the provider
+    assert pump.stats["committed"] == 1
+
+
+async def test_a_failing_server_is_retried_and_never_marked_processed(
+    engine: AsyncEngine, make_settings: Any, run_pumps: Any, mail_server: MailServer
+) -> None:
+    mail_server.fail = 2
+    broker = MemoryBroker()
+    settings = claim_settings(make_settings, mail_server)
+    async with run_pumps([broker.connect()], [engine], mail_registry(), settings) as [pump]:
+        broker.publish("welcome-1", "SendWelcomeEmail", BODY)
+        await eventually(lambda: mail_server.calls["welcome-1"] >= 1)
+        await eventually(lambda: pump.stats["retry-requested"] == 1)
+        [row] = await inbox_rows(engine)
+        assert (row.state, row.processed_at) == ("claimed", None)  # failed: not processed
+        assert row.outcome == "failed: Retry: mail API answered HTTP 503"
+        await broker.wait_idle(10)
+    [row] = await inbox_rows(engine)
+    assert (row.state, row.outcome, row.attempts) == ("finished", "HTTP 202", 3)
+    assert mail_server.calls["welcome-1"] == 3
+    assert [verb for verb, _, _ in broker.history] == ["nack", "nack", "ack"]
+
+
+async def test_a_server_failing_for_good_dead_letters_and_leaves_an_unfinished_claim(
+    engine: AsyncEngine, make_settings: Any, run_pumps: Any, mail_server: MailServer
+) -> None:
+    mail_server.fail = 100
+    broker = MemoryBroker()
+    settings = claim_settings(make_settings, mail_server, max_deliveries=3)
+    async with run_pumps([broker.connect()], [engine], mail_registry(), settings):
+        broker.publish("welcome-1", "SendWelcomeEmail", BODY)
+        await broker.wait_idle(10)
+    assert len(broker.dead_letters) == 1
+    [row] = await inbox_rows(engine)
+    assert (row.state, row.processed_at) == ("claimed", None)
+    stale = await claims.stale_claims(session_factory(engine))
+    assert [(s.message_id, s.consumer, s.attempts) for s in stale] == [
+        ("welcome-1", "welcome-email", 3)
+    ]
+
+    # The provider recovers; the sweeper finishes the claim from its stored body.
+    mail_server.fail = 0
+    results = await claims.redrive(session_factory(engine), mail_registry(), settings, LOG)
+    assert results == Counter({"committed": 1})
+    [row] = await inbox_rows(engine)
+    assert (row.state, row.outcome) == ("finished", "HTTP 202")
+    assert mail_server.calls["welcome-1"] == 4
+    assert await claims.stale_claims(session_factory(engine)) == []
+
+
+async def test_a_hanging_server_times_out_releases_the_claim_and_is_called_again(
+    engine: AsyncEngine, make_settings: Any, run_pumps: Any, mail_server: MailServer
+) -> None:
+    mail_server.hang = 1
+    broker = MemoryBroker()
+    settings = claim_settings(make_settings, mail_server)
+    async with run_pumps([broker.connect()], [engine], mail_registry(), settings) as [pump]:
+        broker.publish("welcome-1", "SendWelcomeEmail", BODY)
+        await broker.wait_idle(10)
+    assert mail_server.calls["welcome-1"] == 2  # the same key both times
+    [row] = await inbox_rows(engine)
+    assert (row.state, row.attempts) == ("finished", 2)
+    assert pump.stats["nack"] == 1  # the timeout nacked the first delivery
+
+
+async def test_a_refusing_server_dead_letters_at_once(
+    engine: AsyncEngine, make_settings: Any, run_pumps: Any, mail_server: MailServer
+) -> None:
+    mail_server.fail, mail_server.fail_status = 1, 422
+    broker = MemoryBroker()
+    async with run_pumps(
+        [broker.connect()], [engine], mail_registry(), claim_settings(make_settings, mail_server)
+    ):
+        broker.publish("welcome-1", "SendWelcomeEmail", BODY)
+        await broker.wait_idle(5)
+    [letter] = broker.dead_letters
+    assert letter.reason == "welcome-email: mail API refused the message: HTTP 422"
+    [row] = await inbox_rows(engine)
+    assert row.state == "claimed"  # never marked processed: the effect did not happen
+
+
+async def test_only_one_replica_takes_over_an_expired_claim(database_url: str) -> None:
+    engines = [create_engine(database_url) for _ in range(4)]
+    try:
+        await add_marker(
+            engines[0], "m1", consumer="mail", state="claimed", lease=timedelta(seconds=-5)
+        )
+        [stale] = await inbox_rows(engines[0])
+        taken = await asyncio.gather(
+            *(claims.take_over(session_factory(e), stale.id, lease=30) for e in engines)
+        )
+        acquired = await asyncio.gather(
+            *(claims.acquire(session_factory(e), "m2", "mail", 30) for e in engines)
+        )
+    finally:
+        for engine in engines:
+            await engine.dispose()
+    winners = [claim for claim in taken if claim is not None]
+    assert len(winners) == 1 and winners[0].attempts == 2
+    assert sum(isinstance(got, claims.Claim) for got in acquired) == 1
+    assert sum(isinstance(got, claims.Held) for got in acquired) == 3
+
+
+async def test_a_claim_that_lost_its_lease_cannot_release_the_new_owners(
+    engine: AsyncEngine, make_settings: Any
+) -> None:
+    sessions = session_factory(engine)
+    first = await claims.acquire(sessions, "m1", "mail", lease=0.05)
+    assert isinstance(first, claims.Claim)
+    await asyncio.sleep(0.1)
+    second = await claims.acquire(sessions, "m1", "mail", lease=30)
+    assert isinstance(second, claims.Claim) and second.attempts == 2
+    await claims._release(sessions, first, RuntimeError("late failure"), LOG)
+    [row] = await inbox_rows(engine)
+    assert row.claimed_by == second.owner
+    assert isinstance(await claims.acquire(sessions, "m1", "mail", lease=30), claims.Held)
+
+
+def test_worker_sweep_lists_stale_claims_as_json(database_url: str) -> None:
+    async def seed() -> None:
+        engine = create_engine(database_url)
+        try:
+            await add_marker(
+                engine,
+                "m1",
+                consumer="welcome-email",
+                state="claimed",
+                lease=timedelta(minutes=-3),
+                message_type="SendWelcomeEmail",
+            )
+            await add_marker(
+                engine, "m2", consumer="welcome-email", state="claimed", lease=timedelta(minutes=3)
+            )
+        finally:
+            await engine.dispose()
+
+    asyncio.run(seed())
+    done = run_cli("sweep", env={"WORKER_DATABASE_URL": database_url})
+    assert done.returncode == 0, done.stderr
+    [line] = done.stdout.splitlines()  # the live claim m2 is not listed
+    listed = json.loads(line)
+    assert (listed["message_id"], listed["consumer"], listed["type"]) == (
+        "m1",
+        "welcome-email",
+        "SendWelcomeEmail",
+    )
+    assert 170 < listed["overdue_s"] < 200
+
+
+async def test_regular_markers_are_finished_at_insert_with_no_extra_statement(
+    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+) -> None:
+    statements: list[str] = []
+    event.listen(
+        engine.sync_engine,
+        "before_cursor_execute",
+        lambda _c, _cur, sql, *_: statements.append(sql),
+    )
+    registry = Registry()
+
+    @registry.handler("Nothing", CreditRequested, consumer="nothing")
+    async def nothing(ctx: Context, message: CreditRequested) -> None:
+        return None
+
+    registry.handler("Credit", CreditRequested, consumer="credit")(apply_credit)
+    broker = MemoryBroker()
+    async with run_pumps([broker.connect()], [engine], registry, make_settings()):
+        statements.clear()
+        broker.publish("m1", "Nothing", {"account_id": "a", "amount": "1"})
+        await broker.wait_idle(5)
+        [insert] = statements  # the marker and nothing else: same cost as before claims existed
+        broker.publish("m2", "Credit", {"account_id": "a", "amount": "1"})
+        await broker.wait_idle(5)
+    assert insert.startswith("INSERT INTO inbox (message_id, consumer) VALUES")
+    rows = await inbox_rows(engine)
+    assert [(r.state, r.lease_until, r.claimed_by) for r in rows] == [("finished", None, None)] * 2
+    assert all(r.processed_at is not None for r in rows)
+    assert await count(engine, INBOX, INBOX.c.state == "finished") == 2
+
+
+async def test_a_call_cut_by_shutdown_keeps_its_lease_and_stays_unfinished(
+    engine: AsyncEngine, make_settings: Any, mail_server: MailServer
+) -> None:
+    """Cancelled mid-call: nothing is released or marked; the lease runs out, then a takeover."""
+    mail_server.hang, mail_server.hang_for = 1, 1.0
+    broker = MemoryBroker()
+    settings = claim_settings(make_settings, mail_server, grace_period=0, claim_call_timeout=0.5)
+    pump = Pump(broker.connect(), engine, mail_registry(), settings)
+    task = asyncio.create_task(pump.run())
+    broker.publish("welcome-1", "SendWelcomeEmail", BODY)
+    await eventually(mail_server.arrived.is_set)
+    pump.stop()
+    await task
+    [row] = await inbox_rows(engine)
+    assert (row.state, row.attempts) == ("claimed", 1)
+    assert row.outcome is None  # cancelled, not failed: nothing released, the lease runs out
+    assert broker.ready and broker.ready[0].message_id == "welcome-1"  # back on the queue
+
+
+def test_a_side_effect_handler_cannot_skip_the_inbox() -> None:
+    from worker.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="a side-effect handler needs the inbox"):
+        Registry().handler("X", SendWelcomeEmail, consumer="x", inbox=False, side_effect=True)
+
+
+async def test_the_idempotency_key_is_the_message_id_on_every_delivery(
+    engine: AsyncEngine, make_settings: Any, run_pumps: Any, mail_server: MailServer
+) -> None:
+    """Rule 9: not the delivery count, a correlation id or a receive time, which all change."""
+    mail_server.fail = 2
+    broker = MemoryBroker()
+    headers = {"correlation_id": "conversation-7"}
+    async with run_pumps(
+        [broker.connect()], [engine], mail_registry(), claim_settings(make_settings, mail_server)
+    ):
+        broker.publish("welcome-1", "SendWelcomeEmail", BODY, headers)
+        await broker.wait_idle(10)
+    assert mail_server.calls == Counter({"welcome-1": 3})  # three deliveries, one key

@@ -1,0 +1,563 @@
+"""Side effects that cannot join the transaction: two-phase claims with a lease (rule 8).
+
+An e-mail, a card charge or an HTTP call cannot be rolled back with the
+database, so a side-effect handler runs in phases instead of one commit::
+
+    claim:  INSERT the marker as "claimed" with a lease, COMMIT
+    call:   the handler's external call, keyed by the message id
+    mark:   UPDATE the marker to "finished" with the outcome, COMMIT
+
+A redelivery finds the marker and decides from its state:
+
+=====================================  ================================================
+marker                                 what happens
+=====================================  ================================================
+finished                               ack: the call was made and recorded
+claimed, lease still running           nack after the rest of the lease: the owner may
+                                       still be calling, and if it died we come back
+claimed, lease expired                 take it over with a conditional UPDATE (one
+                                       replica wins), repeat the call with the same key
+=====================================  ================================================
+
+A crash between claim and call therefore delays the call by one lease instead
+of skipping it forever; a crash between call and mark repeats the call with the
+same idempotency key, which the provider deduplicates. A failed call releases
+the lease (so the redelivery may take over at once) and is never marked
+finished. Lease times come from the database's clock on PostgreSQL, so a
+replica whose clock runs fast cannot steal a live claim.
+
+:func:`stale_claims` and :func:`redrive` are the sweeper (``worker sweep``):
+a claim stores the message body, so it can be finished without a redelivery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+from pydantic import BaseModel, ValidationError
+from sqlalchemy import ColumnElement, DateTime, Interval, Table, func, literal, select, update
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from worker.db import insert_ignoring_conflicts
+from worker.errors import Poison, Retry
+from worker.inbox import InboxMarker
+from worker.logs import get_logger
+from worker.registry import Context, Handler, HandlerFunc, Registry, registry
+
+if TYPE_CHECKING:
+    from worker.delivery import Delivery
+    from worker.settings import Settings
+
+M = TypeVar("M", bound=BaseModel)
+
+CLAIMED, FINISHED = "claimed", "finished"
+ACK, NACK, DEAD_LETTER = "ack", "nack", "dead-letter"
+
+_inbox = cast(Table, InboxMarker.__table__)
+_OWNER_PREFIX = f"{socket.gethostname()}:{os.getpid()}"[:110]
+
+
+class ClaimContext(Context):
+    """The context of a side-effect handler: the claim it holds and the worker's settings.
+
+    ``session`` is committed together with the "finished" mark, after the call.
+    It connects lazily: a handler that calls first and writes afterwards holds
+    no connection while it waits on the network.
+    """
+
+    __slots__ = ("claim", "settings")
+
+    claim: Claim
+    settings: Settings
+
+    @property
+    def idempotency_key(self) -> str:
+        """The key the provider deduplicates repeated calls by: the message id."""
+        return self.message_id
+
+
+ClaimFunc = Callable[[ClaimContext, M], Awaitable[str | None]]
+"""A side-effect handler; what it returns is stored as the claim's outcome."""
+
+
+def side_effect(
+    message_type: str, model: type[M], *, consumer: str, registry: Registry = registry
+) -> Callable[[ClaimFunc[M]], ClaimFunc[M]]:
+    """Register a side-effect handler: ``@side_effect("SendWelcomeEmail", Model, consumer=...)``."""
+
+    def register(func: ClaimFunc[M]) -> ClaimFunc[M]:
+        as_handler = cast(HandlerFunc[M], func)  # the pump calls it through claims.process
+        registry.handler(message_type, model, consumer=consumer, side_effect=True)(as_handler)
+        return func
+
+    return register
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A claim this replica holds."""
+
+    id: int
+    owner: str
+    attempts: int  # 1 for the first claim, +1 for every takeover
+    lease_until: datetime
+
+    @property
+    def taken_over(self) -> bool:
+        return self.attempts > 1
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """Someone else's live claim, and how long its lease still runs."""
+
+    remaining: float
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How a side-effect handler's turn ended, for the pump to settle."""
+
+    verb: str
+    outcome: str
+    reason: str | None = None
+    delay: float | None = None
+
+
+# -- phase 1: claim ------------------------------------------------------------------
+
+
+def _now(session: AsyncSession) -> ColumnElement[datetime]:
+    if session.get_bind().dialect.name == "postgresql":
+        return func.statement_timestamp()  # not now(): that is the transaction's start
+    # SQLite has no server apart from this host, so its clock is ours
+    return literal(datetime.now(UTC), DateTime(timezone=True))
+
+
+def _after(session: AsyncSession, seconds: float) -> ColumnElement[datetime]:
+    if session.get_bind().dialect.name == "postgresql":
+        return func.statement_timestamp() + literal(timedelta(seconds=seconds), Interval())
+    return literal(datetime.now(UTC) + timedelta(seconds=seconds), DateTime(timezone=True))
+
+
+def _owner() -> str:
+    return f"{_OWNER_PREFIX}:{uuid.uuid4().hex[:12]}"
+
+
+async def acquire(
+    sessions: async_sessionmaker[Any],
+    message_id: str,
+    consumer: str,
+    lease: float,
+    *,
+    message_type: str | None = None,
+    body: bytes | None = None,
+) -> Claim | Held | None:
+    """Claim ``(message_id, consumer)``: a :class:`Claim`, a live claim elsewhere, None if finished.
+
+    One short transaction: insert the claimed marker, or take an expired claim
+    over, or read why neither was possible.
+    """
+    session: AsyncSession = sessions()
+    owner = _owner()
+    try:
+        fresh = insert_ignoring_conflicts(session, InboxMarker).values(
+            message_id=message_id,
+            consumer=consumer,
+            state=CLAIMED,
+            processed_at=None,
+            lease_until=_after(session, lease),
+            claimed_by=owner,
+            attempts=1,
+            message_type=message_type,
+            body=body,
+        )
+        row = (await session.execute(fresh.returning(_inbox.c.id, _inbox.c.lease_until))).first()
+        if row is not None:
+            await AsyncSession.commit(session)
+            return Claim(row.id, owner, 1, _aware(row.lease_until))
+        mine = _inbox.c.message_id == message_id, _inbox.c.consumer == consumer
+        claim = await _take_over(session, mine, owner, lease)
+        if claim is not None:
+            await AsyncSession.commit(session)
+            return claim
+        state = (
+            await session.execute(
+                select(_inbox.c.state, _inbox.c.lease_until, _now(session).label("now")).where(
+                    *mine
+                )
+            )
+        ).first()
+        if state is None or state.state != CLAIMED:
+            return None if state is not None else Held(0.0)  # purged in between: look again
+        return Held(max(0.0, (_aware(state.lease_until) - _aware(state.now)).total_seconds()))
+    finally:
+        await _close(session)
+
+
+async def _take_over(
+    session: AsyncSession, where: tuple[ColumnElement[bool], ...], owner: str, lease: float
+) -> Claim | None:
+    """The conditional UPDATE: only a claim whose lease has run out, so only one replica wins.
+
+    On PostgreSQL a second replica's UPDATE waits for the first's row lock and
+    then re-checks the WHERE against the new lease, which no longer qualifies.
+    """
+    statement = (
+        update(_inbox)
+        .where(*where, _inbox.c.state == CLAIMED, _inbox.c.lease_until < _now(session))
+        .values(
+            claimed_by=owner, lease_until=_after(session, lease), attempts=_inbox.c.attempts + 1
+        )
+        .returning(_inbox.c.id, _inbox.c.attempts, _inbox.c.lease_until)
+    )
+    row = (await session.execute(statement)).first()
+    return None if row is None else Claim(row.id, owner, row.attempts, _aware(row.lease_until))
+
+
+async def take_over(sessions: async_sessionmaker[Any], claim_id: int, lease: float) -> Claim | None:
+    """Take the expired claim ``claim_id`` over (the sweeper's way in); None if someone else won."""
+    session: AsyncSession = sessions()
+    try:
+        claim = await _take_over(session, (_inbox.c.id == claim_id,), _owner(), lease)
+        await AsyncSession.commit(session)
+        return claim
+    finally:
+        await _close(session)
+
+
+# -- phases 2 and 3: call, then mark -----------------------------------------------------
+
+
+async def process(
+    sessions: async_sessionmaker[Any],
+    handler: Handler[Any],
+    message: BaseModel,
+    delivery: Delivery,
+    settings: Settings,
+    log: Any,
+) -> Outcome:
+    """One delivery of a side-effect message: claim, call, mark; the pump settles the Outcome."""
+    message_id = delivery.message_id
+    assert message_id is not None
+    got = await acquire(
+        sessions,
+        message_id,
+        handler.consumer,
+        settings.claim_lease,
+        message_type=delivery.type,
+        body=delivery.body,
+    )
+    if got is None:
+        return Outcome(ACK, "duplicate")
+    if isinstance(got, Held):
+        # Come back when the lease has run out: finished by then, or ours to take over.
+        delay = min(settings.claim_lease, got.remaining + 0.05)
+        return Outcome(
+            NACK, "claim-held", f"claimed elsewhere, lease ends in {got.remaining:.1f}s", delay
+        )
+    if got.taken_over:
+        log.warning(
+            "expired claim taken over",
+            message_id=message_id,
+            consumer=handler.consumer,
+            attempt=got.attempts,
+            outcome="taken-over",
+        )
+    return await run(
+        sessions,
+        handler,
+        message,
+        got,
+        settings,
+        log,
+        message_id=message_id,
+        delivery_count=delivery.delivery_count,
+        headers=delivery.headers,
+    )
+
+
+async def run(
+    sessions: async_sessionmaker[Any],
+    handler: Handler[Any],
+    message: BaseModel,
+    claim: Claim,
+    settings: Settings,
+    log: Any,
+    *,
+    message_id: str,
+    delivery_count: int,
+    headers: Mapping[str, Any],
+) -> Outcome:
+    """Call the handler under the claim, then mark it finished; release it if the call failed."""
+    session = sessions()
+    context = ClaimContext(
+        session, message_id, handler.consumer, delivery_count, claim.attempts, headers
+    )
+    context.claim = claim
+    context.settings = settings
+    func = cast(ClaimFunc[Any], handler.func)
+    try:
+        try:
+            async with asyncio.timeout(settings.claim_call_timeout):
+                result = await func(context, message)
+        except TimeoutError:
+            error: Exception = TimeoutError(
+                f"call took longer than WORKER_CLAIM_CALL_TIMEOUT={settings.claim_call_timeout}s"
+            )
+            await _release(sessions, claim, error, log)
+            raise error from None
+        except Exception as exc:
+            # CancelledError (shutdown, a crash) skips this: the lease runs out instead.
+            await _release(sessions, claim, exc, log)
+            if isinstance(exc, Poison):
+                return Outcome(DEAD_LETTER, "poison", f"{handler.consumer}: {exc}")
+            if isinstance(exc, Retry):
+                return Outcome(NACK, "retry-requested", str(exc), exc.delay)
+            raise
+        finished = await _finish(session, claim, result or "ok")
+    finally:
+        await _close(session)
+    if not finished:
+        # Our lease ran out mid-call and another replica finished first, with the same key.
+        log.info(
+            "claim finished elsewhere",
+            message_id=message_id,
+            consumer=handler.consumer,
+            attempt=claim.attempts,
+            outcome="duplicate",
+        )
+        return Outcome(ACK, "duplicate")
+    return Outcome(ACK, "committed")
+
+
+async def _finish(session: AsyncSession, claim: Claim, outcome: str) -> bool:
+    """Mark the claim finished with its outcome, committed with the handler's own writes.
+
+    Not conditional on the owner: the call succeeded with the message's key, so
+    the effect happened, whoever holds the lease now.
+    """
+    statement = (
+        update(_inbox)
+        .where(_inbox.c.id == claim.id, _inbox.c.state == CLAIMED)
+        .values(
+            state=FINISHED,
+            processed_at=_now(session),
+            outcome=outcome[:255],
+            lease_until=None,
+            body=None,
+        )
+    )
+    finished = bool((await session.execute(statement)).rowcount)  # type: ignore[attr-defined]
+    await AsyncSession.commit(session)
+    return finished
+
+
+async def _release(
+    sessions: async_sessionmaker[Any], claim: Claim, error: BaseException, log: Any
+) -> None:
+    """End our lease now, so the redelivery may take over at once; record the error.
+
+    Conditional on the owner: if our lease already ran out and another replica
+    took over, releasing would hand its live claim to a third.
+    """
+    session: AsyncSession = sessions()
+    try:
+        await session.execute(
+            update(_inbox)
+            .where(
+                _inbox.c.id == claim.id,
+                _inbox.c.state == CLAIMED,
+                _inbox.c.claimed_by == claim.owner,
+            )
+            .values(
+                lease_until=_now(session), outcome=f"failed: {type(error).__name__}: {error}"[:255]
+            )
+        )
+        await AsyncSession.commit(session)
+    except Exception as exc:  # the lease still runs out by itself
+        log.warning("claim release failed", claim_id=claim.id, error=exc)
+    finally:
+        await _close(session)
+
+
+async def _close(session: AsyncSession) -> None:
+    try:
+        await AsyncSession.close(session)
+    except Exception:  # a broken connection can fail its own rollback; the pool drops it
+        await AsyncSession.invalidate(session)
+
+
+def _aware(value: datetime) -> datetime:
+    """SQLite hands datetimes back naive; they were written in UTC."""
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+# -- the sweeper ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StaleClaim:
+    """A claim whose lease ran out without a "finished" mark."""
+
+    id: int
+    message_id: str
+    consumer: str
+    message_type: str | None
+    claimed_by: str | None
+    attempts: int
+    lease_until: datetime
+    outcome: str | None
+    overdue: float  # seconds since the lease ran out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "message_id": self.message_id,
+            "consumer": self.consumer,
+            "type": self.message_type,
+            "claimed_by": self.claimed_by,
+            "attempts": self.attempts,
+            "lease_until": self.lease_until.isoformat(),
+            "overdue_s": round(self.overdue, 1),
+            "last_outcome": self.outcome,
+        }
+
+
+async def stale_claims(sessions: async_sessionmaker[Any], limit: int = 100) -> list[StaleClaim]:
+    """Unfinished claims past their lease, longest overdue first (index ix_inbox_lease_until)."""
+    session: AsyncSession = sessions()
+    try:
+        now = _now(session)
+        statement = (
+            select(
+                _inbox.c.id,
+                _inbox.c.message_id,
+                _inbox.c.consumer,
+                _inbox.c.message_type,
+                _inbox.c.claimed_by,
+                _inbox.c.attempts,
+                _inbox.c.lease_until,
+                _inbox.c.outcome,
+                now.label("now"),
+            )
+            .where(_inbox.c.state == CLAIMED, _inbox.c.lease_until < now)
+            .order_by(_inbox.c.lease_until)
+            .limit(limit)
+        )
+        rows = (await session.execute(statement)).all()
+    finally:
+        await _close(session)
+    return [
+        StaleClaim(
+            row.id,
+            row.message_id,
+            row.consumer,
+            row.message_type,
+            row.claimed_by,
+            row.attempts,
+            _aware(row.lease_until),
+            row.outcome,
+            (_aware(row.now) - _aware(row.lease_until)).total_seconds(),
+        )
+        for row in rows
+    ]
+
+
+async def redrive(
+    sessions: async_sessionmaker[Any],
+    handlers: Registry,
+    settings: Settings,
+    log: Any,
+    *,
+    limit: int = 100,
+) -> Counter[str]:
+    """Finish stale claims without a redelivery, from the body each claim stored."""
+    results: Counter[str] = Counter()
+    by_consumer = {h.consumer: h for h in handlers if h.side_effect}
+    for stale in await stale_claims(sessions, limit):
+        handler = by_consumer.get(stale.consumer)
+        body = await _body(sessions, stale.id)
+        if handler is None or body is None:
+            results["no-handler" if handler is None else "no-body"] += 1
+            continue
+        try:
+            message = handler.model.model_validate_json(body)
+        except ValidationError:
+            results["invalid-body"] += 1
+            continue
+        claim = await take_over(sessions, stale.id, settings.claim_lease)
+        if claim is None:
+            results["lost-race"] += 1  # a redelivery or another sweeper took it first
+            continue
+        try:
+            outcome = await run(
+                sessions,
+                handler,
+                message,
+                claim,
+                settings,
+                log,
+                message_id=stale.message_id,
+                delivery_count=0,
+                headers={},
+            )
+        except Exception as exc:
+            log.warning(
+                "re-drive failed",
+                message_id=stale.message_id,
+                consumer=stale.consumer,
+                attempt=claim.attempts,
+                outcome="failed",
+                error=exc,
+            )
+            results["failed"] += 1
+            continue
+        log.info(
+            "re-driven",
+            message_id=stale.message_id,
+            consumer=stale.consumer,
+            attempt=claim.attempts,
+            outcome=outcome.outcome,
+        )
+        results[outcome.outcome] += 1
+    return results
+
+
+async def _body(sessions: async_sessionmaker[Any], claim_id: int) -> bytes | None:
+    session: AsyncSession = sessions()
+    try:
+        body = await session.scalar(select(_inbox.c.body).where(_inbox.c.id == claim_id))
+    finally:
+        await _close(session)
+    return cast(bytes | None, body)
+
+
+async def sweep_command(settings: Settings, *, redrive_claims: bool, limit: int) -> int:
+    """``worker sweep``: print stale claims as JSON lines; with --redrive, finish them."""
+    import json
+
+    from worker.db import create_engine, session_factory
+    from worker.registry import import_handlers
+
+    import_handlers(settings.handler_modules)
+    engine = create_engine(settings.database_url, pool_size=2)
+    log = get_logger(command="sweep")
+    try:
+        sessions = session_factory(engine)
+        for stale in await stale_claims(sessions, limit):
+            print(json.dumps(stale.as_dict()))
+        if redrive_claims:
+            results = await redrive(sessions, registry, settings, log, limit=limit)
+            log.info("sweep done", **dict(results))
+    finally:
+        await engine.dispose()
+    return 0

@@ -1,0 +1,213 @@
+"""Inbox retention: purge finished markers once no broker can redeliver their message (rule 10).
+
+The window is :attr:`Settings.retention`, validated at start to be at least
+the redelivery window (lock timeout x max deliveries + message TTL + a margin
+for dead letters re-submitted late): a marker purged earlier reopens the door
+to the very duplicate it was keeping out.
+
+The purge deletes in small batches, each its own short transaction (bounded
+rows per statement and statements per run), so it never holds many row locks
+for long. Only finished markers are deleted: an unfinished claim is the only
+record that a side effect may still be owed. One replica purges at a time:
+on PostgreSQL whoever holds a session advisory lock; on SQLite the process
+(SQLite is one host's file) skips a purge already running in it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, cast
+
+from sqlalchemy import Table, any_, bindparam, delete, func, select
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, async_sessionmaker
+
+from worker import claims
+from worker.errors import ConfigurationError
+from worker.inbox import InboxMarker
+from worker.logs import get_logger
+
+if TYPE_CHECKING:
+    from worker.registry import Registry
+    from worker.settings import Settings
+
+PURGE_LOCK = 0x776F726B_70757267  # "workpurg": the advisory lock key every replica agrees on
+
+_inbox = cast(Table, InboxMarker.__table__)
+_OLDEST_FINISHED = (
+    select(_inbox.c.id)
+    .where(_inbox.c.state == "finished", _inbox.c.processed_at < bindparam("cutoff"))
+    .order_by(_inbox.c.processed_at)
+    .limit(bindparam("batch"))
+)
+# Oldest first along ix_inbox_processed_at; the LIMIT bounds the rows (and locks) per statement.
+# On PostgreSQL ``id IN (subquery)`` may be planned as a hash join over a full scan of the
+# inbox; ``id = ANY(ARRAY(subquery))`` runs the subquery once and deletes by primary key.
+PURGE_BATCH = {
+    "postgresql": delete(_inbox).where(
+        _inbox.c.id == any_(func.array(_OLDEST_FINISHED.scalar_subquery()))
+    ),
+    "sqlite": delete(_inbox).where(_inbox.c.id.in_(_OLDEST_FINISHED.scalar_subquery())),
+}
+
+_purging: set[str] = set()  # SQLite databases this process is purging right now
+
+
+@dataclass(frozen=True, slots=True)
+class PurgeResult:
+    ran: bool  # False: another purger held the lock
+    deleted: int
+    batches: int
+    cutoff: datetime
+
+
+async def advisory_lock(connection: AsyncConnection, key: int) -> bool:
+    """Try to take a PostgreSQL session advisory lock; True if this connection now holds it.
+
+    PostgreSQL only: SQLite has no advisory locks, and pretending would let two
+    processes believe they were alone.
+    """
+    if connection.dialect.name != "postgresql":
+        raise ConfigurationError(
+            f"advisory locks need PostgreSQL, not {connection.dialect.name}; "
+            "on SQLite only one process may purge the inbox"
+        )
+    taken = bool(await connection.scalar(select(func.pg_try_advisory_lock(key))))
+    await connection.commit()  # the lock is the session's and outlives this transaction
+    return taken
+
+
+@asynccontextmanager
+async def exclusive(
+    engine: AsyncEngine, key: int = PURGE_LOCK
+) -> AsyncIterator[AsyncConnection | None]:
+    """A connection if this process is the one purger now, else None (someone else is)."""
+    if engine.dialect.name == "sqlite":
+        database = engine.url.render_as_string(hide_password=True)
+        if database in _purging:
+            yield None
+            return
+        _purging.add(database)
+        try:
+            async with engine.connect() as connection:
+                yield connection
+        finally:
+            _purging.discard(database)
+        return
+    connection = await engine.connect()
+    try:
+        if not await advisory_lock(connection, key):
+            yield None
+            return
+        try:
+            yield connection
+        finally:
+            try:
+                await connection.rollback()
+                await connection.scalar(select(func.pg_advisory_unlock(key)))
+                await connection.commit()
+            except BaseException:
+                # A pooled connection must never keep the lock: closing it for
+                # good is what releases a session lock for sure.
+                await connection.invalidate()
+                raise
+    finally:
+        await connection.close()
+
+
+async def purge(
+    engine: AsyncEngine,
+    settings: Settings,
+    *,
+    now: datetime | None = None,
+    pause: float = 0.01,
+    log: Any = None,
+) -> PurgeResult:
+    """Delete finished markers older than the retention window, in bounded batches.
+
+    Each batch commits on its own (rule 10: outside one long transaction is
+    right here), with ``pause`` seconds between batches for live traffic.
+    """
+    cutoff = (now or datetime.now(UTC)) - settings.retention
+    deleted = batches = 0
+    async with exclusive(engine) as connection:
+        if connection is None:
+            return PurgeResult(False, 0, 0, cutoff)
+        statement = PURGE_BATCH[connection.dialect.name]
+        for _ in range(settings.purge_max_batches):
+            result = await connection.execute(
+                statement, {"cutoff": cutoff, "batch": settings.purge_batch}
+            )
+            await connection.commit()
+            batches += 1
+            deleted += result.rowcount
+            if result.rowcount < settings.purge_batch:
+                break
+            await asyncio.sleep(pause)
+    if log is not None and deleted:
+        log.info("inbox purged", deleted=deleted, batches=batches, cutoff=cutoff.isoformat())
+    return PurgeResult(True, deleted, batches, cutoff)
+
+
+async def housekeeping(
+    engine: AsyncEngine,
+    sessions: async_sessionmaker[Any],
+    handlers: Registry,
+    settings: Settings,
+    log: Any,
+) -> None:
+    """The pump's periodic purge and claim sweep, every ``WORKER_PURGE_INTERVAL`` seconds."""
+    while True:
+        await asyncio.sleep(settings.purge_interval)
+        try:
+            await purge(engine, settings, log=log)
+            stale = await claims.stale_claims(sessions, limit=100)
+            if stale:
+                log.warning(
+                    "stale claims",
+                    count=len(stale),
+                    oldest_overdue_s=round(stale[0].overdue, 1),
+                    outcome="stale-claims",
+                )
+                if settings.sweep_redrive:
+                    await claims.redrive(sessions, handlers, settings, log, limit=100)
+        except Exception as exc:  # the next round tries again; the pump must not die of it
+            log.warning("housekeeping failed", error=exc)
+
+
+def start(
+    engine: AsyncEngine,
+    sessions: async_sessionmaker[Any],
+    handlers: Registry,
+    settings: Settings,
+    log: Any,
+) -> asyncio.Task[None] | None:
+    """Start :func:`housekeeping` unless ``WORKER_PURGE_INTERVAL`` is 0."""
+    if settings.purge_interval <= 0:
+        return None
+    return asyncio.create_task(housekeeping(engine, sessions, handlers, settings, log))
+
+
+async def purge_command(settings: Settings) -> int:
+    """``worker purge-inbox``: one bounded purge run, then a one-line summary."""
+    import sys
+
+    from worker.db import create_engine
+
+    engine = create_engine(settings.database_url, pool_size=1)
+    try:
+        result = await purge(engine, settings, log=get_logger(command="purge-inbox"))
+    finally:
+        await engine.dispose()
+    if not result.ran:
+        print("another replica is purging the inbox; nothing done", file=sys.stderr)
+    else:
+        print(
+            f"purged {result.deleted} finished markers older than {result.cutoff.isoformat()} "
+            f"in {result.batches} batches",
+            file=sys.stderr,
+        )
+    return 0
