@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 from sqlalchemy import Table, any_, bindparam, delete, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, async_sessionmaker
 
-from worker import claims
+from worker import claims, metrics
 from worker.errors import ConfigurationError
 from worker.inbox import InboxMarker
 from worker.logs import get_logger
@@ -163,9 +163,16 @@ async def housekeeping(
     while True:
         await asyncio.sleep(settings.purge_interval)
         try:
-            await purge(engine, settings, log=log)
+            result = await purge(engine, settings, log=log)
+            metrics.inbox_purged(result.deleted)
+            metrics.purge_run("ok" if result.ran else "skipped")
+        except Exception as exc:  # the next round tries again; the pump must not die of it
+            metrics.purge_run("failed")
+            log.warning("inbox purge failed", error=exc)
+        try:
             stale = await claims.stale_claims(sessions, limit=100)
             if stale:
+                metrics.claims_swept("stale", len(stale))
                 log.warning(
                     "stale claims",
                     count=len(stale),
@@ -173,9 +180,13 @@ async def housekeeping(
                     outcome="stale-claims",
                 )
                 if settings.sweep_redrive:
-                    await claims.redrive(sessions, handlers, settings, log, limit=100)
-        except Exception as exc:  # the next round tries again; the pump must not die of it
-            log.warning("housekeeping failed", error=exc)
+                    swept = await claims.redrive(sessions, handlers, settings, log, limit=100)
+                    for action, count in swept.items():
+                        metrics.claims_swept(action, count)
+            metrics.sweep_run("ok")
+        except Exception as exc:
+            metrics.sweep_run("failed")
+            log.warning("claim sweep failed", error=exc)
 
 
 def start(
