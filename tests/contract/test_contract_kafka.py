@@ -1,0 +1,70 @@
+"""The broker contract on Kafka: the Tansu test broker, one per module (see docs/kafka.md)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+from tests.contract.base import BrokerContract, Harness
+from tests.kafka.kafka_helpers import Tansu, create_topic, lag, settings_for, unique
+from worker.brokers import Broker, DeadLetterInfo, OutgoingMessage
+from worker.brokers.kafka import KafkaAdmin, KafkaBroker, KafkaSettings
+from worker.settings import Settings
+
+pytestmark = pytest.mark.kafka
+
+PARTITIONS = 2
+
+
+class KafkaHarness(Harness):
+    name = "kafka"
+    patience = 30.0  # group joins on the test broker wait for session timeouts
+
+    def __init__(self, bootstrap: str, settings: KafkaSettings) -> None:
+        self.bootstrap = bootstrap
+        self.kafka = settings
+        self.admin = KafkaAdmin(settings)
+
+    def pump_settings(self) -> dict[str, Any]:
+        return {"concurrency": 2}
+
+    def broker(self, settings: Settings) -> Broker:
+        return KafkaBroker(settings, self.kafka)
+
+    async def publish(self, messages: list[OutgoingMessage]) -> None:
+        await self.admin.publish(messages)
+
+    async def dead_letters(self) -> list[DeadLetterInfo]:
+        return await self.admin.dead_letters(100)
+
+    async def remaining(self) -> int:
+        """Consumer lag of the group: records not yet committed past."""
+        topic = self.kafka.topic_list[0]
+        return await lag(self.bootstrap, self.kafka.group_id, topic, PARTITIONS)
+
+    async def close(self) -> None:
+        await self.admin.close()
+
+
+@pytest.fixture(scope="module")
+def contract_tansu() -> Iterator[Tansu]:
+    broker = Tansu()
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+class TestKafkaContract(BrokerContract):
+    @pytest.fixture
+    async def harness(self, contract_tansu: Tansu) -> AsyncIterator[Harness]:
+        topic = unique("contract")
+        await create_topic(contract_tansu.bootstrap, topic, PARTITIONS)
+        harness = KafkaHarness(
+            contract_tansu.bootstrap, settings_for(contract_tansu.bootstrap, topic)
+        )
+        yield harness
+        await harness.close()

@@ -1,0 +1,152 @@
+"""``worker publish``, ``worker dlq`` and ``worker run`` against the real RabbitMQ."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import uuid
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import pytest
+
+from tests.rabbitmq.rabbit_helpers import (
+    REPO,
+    WorkerProcess,
+    all_depths,
+    arabbitmqctl,
+    credit_registry,
+    depths,
+    fetch,
+    rabbit_env,
+    running,
+    wait_for,
+    worker_cli,
+)
+from worker.brokers.rabbitmq import REASON_HEADER, RabbitMQSettings
+
+pytestmark = [pytest.mark.rabbitmq, pytest.mark.postgres]
+
+
+def cli(
+    env: dict[str, str], *args: str, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        worker_cli(*args), env=env, cwd=REPO, input=stdin, capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+
+
+async def acli(
+    env: dict[str, str], *args: str, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    return await asyncio.to_thread(cli, env, *args, stdin=stdin)
+
+
+async def test_publish_then_dlq_list_and_resubmit(
+    rabbit_settings: Any, pg: str, tmp_path: Path
+) -> None:
+    rabbit: RabbitMQSettings = rabbit_settings()
+    env = rabbit_env(rabbit, pg)
+    lines: list[dict[str, Any]] = [
+        {"id": "c1", "type": "CreditRequested", "body": {"account_id": "a", "amount": "7"}},
+        {"id": "u1", "type": "RefundRequested", "body": {"account_id": "a", "amount": "7"}},
+        {"id": "b1", "type": "CreditRequested", "body": "{not json"},
+    ]
+    source = tmp_path / "messages.jsonl"
+    source.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    published = await acli(env, "publish", str(source))
+    assert published.returncode == 0, published.stderr
+    assert "published 3 messages" in published.stderr
+
+    registry, _ = credit_registry()
+    async with running(rabbit, pg, registry) as pump:
+        await wait_for(lambda: pump.stats["ack"] + pump.stats["dead-letter"] == 3, 10, "3 settled")
+    assert (pump.stats["ack"], pump.stats["dead-letter"]) == (1, 2)
+
+    listed = await acli(env, "dlq")
+    assert listed.returncode == 0, listed.stderr
+    letters = {item["id"]: item for item in map(json.loads, listed.stdout.splitlines())}
+    assert set(letters) == {"u1", "b1"}
+    assert "no handler for message type 'RefundRequested'" in letters["u1"]["reason"]
+    assert "invalid body" in letters["b1"]["reason"]
+    assert (await depths(rabbit, rabbit.dead_letter_queue))[rabbit.dead_letter_queue] == 2  # a peek
+
+    # A message that was in fact processed, dead-lettered anyway (say, a second
+    # handler failed for good): re-submitting it must not credit it twice.
+    connection = await aio_pika.connect(rabbit.url)
+    async with connection:
+        channel = await connection.channel()
+        dlx = await channel.get_exchange(rabbit.dead_letter_exchange)
+        copy = aio_pika.Message(
+            json.dumps(lines[0]["body"]).encode(), message_id="c1", type="CreditRequested",
+            headers={REASON_HEADER: "audit: RuntimeError: mailer down"},
+        )  # fmt: skip
+        await dlx.publish(copy, routing_key="")
+
+    moved = await acli(env, "dlq", "--resubmit")
+    assert moved.returncode == 0, moved.stderr
+    assert "re-submitted 3 dead letters" in moved.stderr
+    async with running(rabbit, pg, registry) as pump:
+        await wait_for(lambda: pump.stats["ack"] + pump.stats["dead-letter"] == 3, 10, "3 settled")
+    assert (pump.stats["duplicate"], pump.stats["dead-letter"]) == (1, 2)
+    assert [tuple(r) for r in await fetch(pg, "SELECT id, balance FROM accounts")] == [
+        ("a", Decimal(7))
+    ]
+    assert (await all_depths(rabbit))[rabbit.queue] == 0
+
+
+async def test_publish_rejects_a_bad_line_before_sending_anything(
+    rabbit_settings: Any, pg: str
+) -> None:
+    rabbit: RabbitMQSettings = rabbit_settings()
+    good = json.dumps({"id": "1", "type": "CreditRequested", "body": {}})
+    result = await acli(rabbit_env(rabbit, pg), "publish", "-", stdin=f"{good}\n{{broken\n")
+    assert result.returncode == 2 and "line 2" in result.stderr
+
+
+async def test_the_password_never_reaches_a_log(
+    rabbit_settings: Any, pg: str, rabbitmq_vhost: str, tmp_path: Path
+) -> None:
+    user, secret = f"wt_{uuid.uuid4().hex[:8]}", f"pw-{uuid.uuid4().hex}"
+    await arabbitmqctl("add_user", user, secret)
+    try:
+        await arabbitmqctl("set_permissions", "-p", rabbitmq_vhost, user, ".*", ".*", ".*")
+        good: RabbitMQSettings = rabbit_settings(
+            url=f"amqp://{user}:{secret}@127.0.0.1:5672/{rabbitmq_vhost}"
+        )
+        env = rabbit_env(good, pg, WORKER_LOG_LEVEL="DEBUG")
+        worker = WorkerProcess(env, tmp_path / "run.log")
+        try:
+            await wait_for(lambda: worker.logged("pump started"), 30, "the worker to start")
+            worker.signal(signal.SIGTERM)
+            assert await asyncio.to_thread(worker.wait, 30) == 0
+        finally:
+            worker.kill()
+        output = worker.log_path.read_text()
+        assert f"{user}:***@" in output  # the URL is logged, redacted
+        failures = [
+            good.url.replace(secret, secret + "-wrong"),  # refused login
+            good.url.replace(":5672/", ":1/"),  # nothing listens
+        ]
+        for url in failures:
+            result = await acli({**env, "WORKER_RABBITMQ_URL": url}, "run")
+            assert result.returncode == 1, result.stderr
+            assert "broker unavailable" in result.stderr
+            output += result.stdout + result.stderr
+        assert secret not in output
+    finally:
+        await arabbitmqctl("delete_user", user)
+
+
+async def test_bad_rabbitmq_setting_stops_the_worker_with_one_line(
+    rabbit_settings: Any, pg: str
+) -> None:
+    env = rabbit_env(rabbit_settings(), pg, WORKER_RABBITMQ_QUEUE_TYPE="stream")
+    result = await acli(env, "run")
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "WORKER_RABBITMQ_QUEUE_TYPE" in result.stderr

@@ -1,0 +1,638 @@
+"""RabbitMQ through aio-pika: a robust connection, manual acks, delayed retries, a DLX.
+
+Topology, declared idempotently by the worker and by ``worker publish`` / ``worker dlq``
+(``Q`` is ``WORKER_RABBITMQ_QUEUE``)::
+
+    exchange (WORKER_RABBITMQ_EXCHANGE) --binding keys--> Q  (quorum; its DLX is Q.dlx)
+    Q.retry.<ms>ms  (classic, x-message-ttl=<ms>)  --TTL expiry, default exchange--> Q
+    Q.dlx (fanout) --> Q.dead  (the dead-letter queue)
+
+Verb mapping:
+
+- ``ack``: ``basic.ack``.
+- ``nack(delay)``: publish a copy to the retry queue whose TTL fits the delay (the
+  delivery count so far rides along in ``x-worker-deliveries``), wait for the
+  publisher confirm, then ack the original. With no retry queues configured, or a
+  delay of 0: ``basic.nack(requeue=True)``.
+- ``dead_letter(reason)``: publish a copy to ``Q.dlx`` with ``x-worker-reason`` (the
+  exception type and message), wait for the confirm, then ack the original.
+
+Delivery count = ``x-worker-deliveries`` (deliveries before the last retry hop) +
+the quorum queue's ``x-delivery-count`` (returns inside the queue: nacks, crashed
+consumers) + 1. Copy-then-ack is not atomic: a crash between the two leaves the
+original to be redelivered next to its copy, and the inbox absorbs whichever runs
+second. docs/rabbitmq.md explains why this design over a bare delivery limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import ssl
+import time
+from collections.abc import AsyncIterator, Mapping
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, Literal
+
+import aio_pika
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractConnection,
+    AbstractExchange,
+    AbstractIncomingMessage,
+    AbstractQueue,
+    AbstractRobustChannel,
+    AbstractRobustConnection,
+)
+from aiormq.exceptions import AMQPError, ChannelPreconditionFailed, DeliveryError
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from worker.brokers import DeadLetterInfo, IdentityFunc, OutgoingMessage, load_identity
+from worker.db import redact
+from worker.delivery import Delivery
+from worker.errors import BrokerUnavailable, ConfigurationError, SettlementLost, WorkerError
+from worker.logs import get_logger, scrub
+from worker.settings import load
+
+if TYPE_CHECKING:
+    from worker.settings import Settings
+
+DELIVERIES_HEADER = "x-worker-deliveries"
+REASON_HEADER = "x-worker-reason"
+_WORKER_HEADERS = (DELIVERIES_HEADER, REASON_HEADER, "x-worker-queue", "x-worker-dead-lettered-at")
+_BROKER_HEADERS = (
+    "x-delivery-count",
+    "x-death",
+    "x-first-death-exchange",
+    "x-first-death-queue",
+    "x-first-death-reason",
+)
+_CE_PREFIXES = ("ce-", "ce_", "cloudEvents:", "cloudEvents_")
+_MAX_REASON = 2000
+_PUBLISH_BATCH = 256
+
+# What aio-pika/aiormq raise when a settlement can no longer reach the broker
+# (channel closed, connection lost, confirm refused); ChannelInvalidStateError
+# is a RuntimeError, socket errors are OSErrors.
+_LOST = (AMQPError, OSError, RuntimeError, TimeoutError)
+
+
+class RabbitMQSettings(BaseSettings):
+    """``WORKER_RABBITMQ_*``: where to connect and what to declare."""
+
+    model_config = SettingsConfigDict(env_prefix="WORKER_RABBITMQ_", extra="ignore")
+
+    url: str = Field("amqp://guest:guest@127.0.0.1:5672/", description="amqp:// or amqps://")
+    queue: str = Field("worker", min_length=1, description="The work queue; names the rest.")
+    exchange: str = Field("worker", description="Bound to the work queue; '' binds nothing.")
+    exchange_type: Literal["topic", "direct", "fanout", "headers"] = "topic"
+    binding_keys: list[str] = Field(["#"], description="JSON list of routing keys to bind.")
+    queue_type: Literal["quorum", "classic"] = "quorum"
+    retry_delays: list[float] = Field(
+        [1.0, 5.0, 30.0, 120.0], description="JSON list of seconds, one retry queue each."
+    )
+    content_hash_ids: bool = Field(False, description="No id at all: sha256(type+body). Risky.")
+    reconnect_interval: float = Field(2.0, gt=0, description="Seconds between reconnects.")
+    connect_timeout: float = Field(10.0, gt=0)
+    settle_timeout: float = Field(15.0, gt=0, description="Bound on one ack/publish confirm.")
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_verify: bool = True
+
+    @field_validator("url")
+    @classmethod
+    def _amqp_url(cls, value: str) -> str:
+        if not value.startswith(("amqp://", "amqps://")):
+            raise ValueError("must start with amqp:// or amqps://")
+        return value
+
+    @field_validator("retry_delays")
+    @classmethod
+    def _ascending(cls, value: list[float]) -> list[float]:
+        if any(d <= 0 for d in value) or value != sorted(set(value)):
+            raise ValueError("must be positive seconds in ascending order, without repeats")
+        return value
+
+    @property
+    def dead_letter_exchange(self) -> str:
+        return f"{self.queue}.dlx"
+
+    @property
+    def dead_letter_queue(self) -> str:
+        return f"{self.queue}.dead"
+
+    def retry_queue(self, delay: float) -> str:
+        """Named by its TTL, so changing the delays declares new queues instead of failing."""
+        return f"{self.queue}.retry.{round(delay * 1000)}ms"
+
+    def retry_delay(self, delivery_count: int, requested: float | None) -> float | None:
+        """The retry queue's delay for a nack; ``None``: requeue at once."""
+        delays = self.retry_delays
+        if not delays or (requested is not None and requested <= 0):
+            return None
+        if requested is None:  # back off further on every failed delivery
+            return delays[min(max(delivery_count, 1), len(delays)) - 1]
+        return next((d for d in delays if d >= requested), delays[-1])
+
+
+# -- message facts ---------------------------------------------------------------
+
+
+def _header(headers: Mapping[str, Any], name: str) -> str | None:
+    value = headers.get(name)
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    return str(value) if value not in (None, "") else None
+
+
+def _cloud_event(headers: Mapping[str, Any], attribute: str) -> str | None:
+    for prefix in _CE_PREFIXES:
+        value = _header(headers, prefix + attribute)
+        if value is not None:
+            return value
+    return None
+
+
+def message_type(message: AbstractIncomingMessage) -> str | None:
+    """The AMQP ``type`` property, else the CloudEvents ``ce-type`` header."""
+    return message.type or _cloud_event(message.headers or {}, "type")
+
+
+def default_message_id(message: AbstractIncomingMessage) -> str | None:
+    """CloudEvents source + id when both are present, else the AMQP ``message_id``, else None.
+
+    The CloudEvents pair comes first because aiormq (under aio-pika) stamps a
+    random ``message_id`` on every message published without one, so a producer
+    retry through aio-pika carries a new id while its ``ce-id`` stays the same.
+    """
+    headers = message.headers or {}
+    ce_id, ce_source = _cloud_event(headers, "id"), _cloud_event(headers, "source")
+    if ce_id is not None and ce_source is not None:
+        return json.dumps([ce_source, ce_id], separators=(",", ":"))
+    return message.message_id or None
+
+
+def content_hash_id(message: AbstractIncomingMessage) -> str:
+    """Two identical messages become one: only for producers that never repeat a payload."""
+    digest = hashlib.sha256(f"{message_type(message)}\0".encode() + message.body)
+    return f"sha256:{digest.hexdigest()}"
+
+
+def make_identity(settings: RabbitMQSettings, path: str | None = None) -> IdentityFunc:
+    if not settings.content_hash_ids:
+        return load_identity(path, default_message_id)
+
+    def identity_or_hash(message: AbstractIncomingMessage) -> str | None:
+        return default_message_id(message) or content_hash_id(message)
+
+    return load_identity(path, identity_or_hash)
+
+
+def delivery_count(message: AbstractIncomingMessage) -> int:
+    """1 on the first delivery; counts retry hops, nacks and crashed consumers alike."""
+    headers = message.headers or {}
+    before = _int(headers.get(DELIVERIES_HEADER))
+    returned = headers.get("x-delivery-count")  # quorum queues only
+    inside = _int(returned) if returned is not None else int(bool(message.redelivered))
+    return before + inside + 1
+
+
+def _int(value: Any) -> int:
+    try:
+        return max(int(value), 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _copy(message: AbstractIncomingMessage, **extra: Any) -> aio_pika.Message:
+    """A persistent copy without the broker's bookkeeping headers (or ours, unless given)."""
+    headers = {
+        k: v
+        for k, v in (message.headers or {}).items()
+        if k not in _BROKER_HEADERS and k not in _WORKER_HEADERS
+    }
+    headers.update(extra)
+    return aio_pika.Message(
+        message.body,
+        headers=headers,
+        content_type=message.content_type,
+        content_encoding=message.content_encoding,
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        priority=message.priority,
+        correlation_id=message.correlation_id,
+        reply_to=message.reply_to,
+        message_id=message.message_id,
+        timestamp=message.timestamp,
+        type=message.type,
+        app_id=message.app_id,
+    )
+
+
+# -- connection and topology -----------------------------------------------------
+
+
+def ssl_context(settings: RabbitMQSettings) -> ssl.SSLContext | None:
+    """The TLS context for amqps:// URLs, from the WORKER_RABBITMQ_TLS_* settings."""
+    if not settings.url.startswith("amqps://"):
+        if settings.tls_ca_file or settings.tls_cert_file or settings.tls_key_file:
+            raise ConfigurationError(
+                "WORKER_RABBITMQ_TLS_*: set, but WORKER_RABBITMQ_URL is not amqps://"
+            )
+        return None
+    try:
+        context = ssl.create_default_context(cafile=settings.tls_ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigurationError(f"WORKER_RABBITMQ_TLS_CA_FILE: {exc}") from None
+    if settings.tls_cert_file:
+        try:
+            context.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigurationError(f"WORKER_RABBITMQ_TLS_CERT_FILE/KEY_FILE: {exc}") from None
+    elif settings.tls_key_file:
+        raise ConfigurationError(
+            "WORKER_RABBITMQ_TLS_KEY_FILE: set without WORKER_RABBITMQ_TLS_CERT_FILE"
+        )
+    if not settings.tls_verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+def _connect_args(settings: RabbitMQSettings) -> dict[str, Any]:
+    return {
+        "ssl_context": ssl_context(settings),
+        "timeout": settings.connect_timeout,
+        "client_properties": {"connection_name": f"worker {settings.queue} pid {os.getpid()}"},
+    }
+
+
+def _start_failure(settings: RabbitMQSettings, exc: BaseException) -> WorkerError:
+    if isinstance(exc, ChannelPreconditionFailed):  # a queue exists with other arguments
+        return ConfigurationError(
+            f"WORKER_RABBITMQ_QUEUE={settings.queue!r}: {exc}; the existing queues were declared "
+            "with other settings (queue type, retry delays): pick a new queue name or delete them"
+        )
+    return BrokerUnavailable(f"{redact(settings.url)}: {scrub(str(exc))}")
+
+
+async def declare_topology(channel: AbstractChannel, settings: RabbitMQSettings) -> AbstractQueue:
+    """Declare (idempotently) everything the worker uses; returns the work queue."""
+    dlx = await channel.declare_exchange(
+        settings.dead_letter_exchange, aio_pika.ExchangeType.FANOUT, durable=True
+    )
+    dead = await channel.declare_queue(
+        settings.dead_letter_queue, durable=True, arguments={"x-queue-type": settings.queue_type}
+    )
+    await dead.bind(dlx, routing_key="")
+    work = await channel.declare_queue(
+        settings.queue,
+        durable=True,
+        arguments={
+            "x-queue-type": settings.queue_type,
+            # where the broker itself dead-letters (a delivery-limit policy, a message TTL)
+            "x-dead-letter-exchange": settings.dead_letter_exchange,
+        },
+    )
+    if settings.exchange:
+        exchange = await channel.declare_exchange(
+            settings.exchange, aio_pika.ExchangeType(settings.exchange_type), durable=True
+        )
+        for key in settings.binding_keys:
+            await work.bind(exchange, routing_key=key)
+    for delay in settings.retry_delays:
+        await channel.declare_queue(
+            settings.retry_queue(delay),
+            durable=True,
+            arguments={
+                "x-queue-type": "classic",
+                "x-message-ttl": round(delay * 1000),
+                # the default exchange routes by queue name: back to this worker's
+                # queue only, never to other queues bound to the shared exchange
+                "x-dead-letter-exchange": "",
+                "x-dead-letter-routing-key": settings.queue,
+            },
+        )
+    return work
+
+
+# -- the consumer ------------------------------------------------------------------
+
+
+class _Handle:
+    __slots__ = ("count", "generation", "message")
+
+    def __init__(self, message: AbstractIncomingMessage, count: int, generation: int) -> None:
+        self.message = message
+        self.count = count
+        self.generation = generation
+
+
+class RabbitMQBroker:
+    """The pump's :class:`~worker.brokers.Broker` and the deliveries' Settler."""
+
+    name = "rabbitmq"
+
+    def __init__(self, settings: RabbitMQSettings, identity: IdentityFunc) -> None:
+        self.settings = settings
+        self.identity = identity
+        self._log = get_logger(broker=self.name, queue=settings.queue)
+        self._buffer: asyncio.Queue[Delivery] = asyncio.Queue()
+        self._connection: AbstractRobustConnection | None = None
+        self._channel: AbstractRobustChannel | None = None
+        self._publisher: AbstractRobustChannel | None = None
+        self._queue: AbstractQueue | None = None
+        self._consumer_tag: str | None = None
+        self._connected = False
+        self._consuming = False
+        self._generation = 0
+        self._lost_at: float | None = None
+        self.outages = 0
+        self._exchanges: dict[str, AbstractExchange] = {}
+
+    @property
+    def ready(self) -> bool:
+        """Connected and consuming: False while the robust connection reconnects."""
+        return self._connected and self._consuming
+
+    async def start(self, prefetch: int) -> None:
+        settings = self.settings
+        try:
+            self._connection = connection = await aio_pika.connect_robust(
+                settings.url,
+                reconnect_interval=settings.reconnect_interval,
+                **_connect_args(settings),
+            )
+            self._channel = channel = await connection.channel()
+            self._publisher = await connection.channel(
+                publisher_confirms=True, on_return_raises=True
+            )
+            await channel.set_qos(prefetch_count=prefetch)
+            self._queue = await declare_topology(channel, settings)
+            connection.close_callbacks.add(self._on_lost)
+            channel.close_callbacks.add(self._on_lost)
+            channel.reopen_callbacks.add(self._on_restored)
+            connection.reconnect_callbacks.add(self._on_restored)
+            # before basic.consume: the first deliveries may arrive before it returns
+            self._connected = self._consuming = True
+            self._consumer_tag = await self._queue.consume(self._on_message, no_ack=False)
+        except _LOST as exc:
+            await self.close()
+            raise _start_failure(settings, exc) from None
+        self._log.info(
+            "rabbitmq consuming",
+            url=redact(settings.url),
+            prefetch=prefetch,
+            queue_type=settings.queue_type,
+            retry_delays=settings.retry_delays,
+        )
+
+    async def receive(self) -> Delivery:
+        while True:
+            delivery = await self._buffer.get()
+            if delivery._handle.generation == self._generation:
+                return delivery
+            # delivered on a connection since lost: RabbitMQ has already requeued it
+
+    async def stop_receiving(self) -> None:
+        """Cancel the consumer; deliveries not yet taken go straight back to the queue."""
+        self._consuming = False
+        if self._queue is not None and self._consumer_tag is not None:
+            with contextlib.suppress(*_LOST):
+                async with asyncio.timeout(self.settings.settle_timeout):
+                    await self._queue.cancel(self._consumer_tag)
+            self._consumer_tag = None
+        while not self._buffer.empty():
+            handle: _Handle = self._buffer.get_nowait()._handle
+            with contextlib.suppress(*_LOST):
+                await handle.message.nack(requeue=True)
+
+    async def close(self) -> None:
+        self._consuming = False
+        self._connected = False
+        if self._connection is not None:
+            with contextlib.suppress(*_LOST):
+                await self._connection.close()
+            self._connection = None
+
+    # -- connection state (aio-pika callbacks) -------------------------------------
+
+    async def _on_message(self, message: AbstractIncomingMessage) -> None:
+        if not self._consuming:  # raced with basic.cancel: give it straight back
+            with contextlib.suppress(*_LOST):
+                await message.nack(requeue=True)
+            return
+        count = delivery_count(message)
+        handle = _Handle(message, count, self._generation)
+        try:
+            message_id = self.identity(message)
+        except Exception:  # a deployment's WORKER_MESSAGE_ID_FUNC: the pump dead-letters None
+            self._log.exception("message id function failed", delivery_count=count)
+            message_id = None
+        self._buffer.put_nowait(
+            Delivery(
+                message_id,
+                message_type(message),
+                message.body,
+                message.headers or {},
+                count,
+                self,
+                handle,
+            )
+        )
+
+    def _on_lost(self, _sender: Any, exc: BaseException | None = None) -> None:
+        if not self._connected:
+            return
+        self._connected = False
+        self.outages += 1
+        self._generation += 1  # every unsettled delivery tag is void from here on
+        self._lost_at = time.monotonic()
+        while not self._buffer.empty():
+            self._buffer.get_nowait()
+        if self._consuming:
+            self._log.warning("rabbitmq connection lost, reconnecting", error=exc)
+
+    def _on_restored(self, _sender: Any, *_: Any) -> None:
+        if self._connected or self._connection is None or self._connection.is_closed:
+            return
+        self._connected = True
+        outage = time.monotonic() - self._lost_at if self._lost_at else 0.0
+        self._log.info("rabbitmq reconnected", outage_s=round(outage, 2))
+
+    # -- Settler ----------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _settling(self, handle: _Handle, verb: str) -> AsyncIterator[None]:
+        """Bound the settlement in time; a broken channel means the broker will redeliver."""
+        if handle.generation != self._generation:
+            raise SettlementLost(f"{verb} {handle.message.message_id!r}: its connection was lost")
+        try:
+            async with asyncio.timeout(self.settings.settle_timeout):
+                yield
+        except _LOST as exc:
+            raise SettlementLost(f"{verb} {handle.message.message_id!r}: {exc!r}") from exc
+
+    async def ack(self, handle: _Handle) -> None:
+        async with self._settling(handle, "ack"):
+            await handle.message.ack()
+
+    async def nack(self, handle: _Handle, delay: float | None) -> None:
+        level = self.settings.retry_delay(handle.count, delay)
+        async with self._settling(handle, "nack"):
+            if level is None:
+                await handle.message.nack(requeue=True)
+                return
+            copy = _copy(handle.message, **{DELIVERIES_HEADER: handle.count})
+            await self._publish(copy, "", self.settings.retry_queue(level))
+            await handle.message.ack()
+
+    async def dead_letter(self, handle: _Handle, reason: str) -> None:
+        copy = _copy(
+            handle.message,
+            **{
+                REASON_HEADER: reason[:_MAX_REASON],
+                DELIVERIES_HEADER: handle.count,
+                "x-worker-queue": self.settings.queue,
+                "x-worker-dead-lettered-at": datetime.now(UTC).isoformat(),
+            },
+        )
+        async with self._settling(handle, "dead-letter"):
+            await self._publish(copy, self.settings.dead_letter_exchange, self.settings.queue)
+            await handle.message.ack()
+
+    async def _publish(self, message: aio_pika.Message, exchange: str, routing_key: str) -> None:
+        assert self._publisher is not None
+        # Publishing on a robust channel waits out a reconnect; the ack after it
+        # then fails on the old channel and the original comes back anyway.
+        target = self._exchanges.get(exchange)
+        if target is None:
+            target = self._exchanges[exchange] = (
+                await self._publisher.get_exchange(exchange, ensure=False)
+                if exchange
+                else self._publisher.default_exchange
+            )
+        await target.publish(message, routing_key, mandatory=True)
+
+
+# -- operator tools ----------------------------------------------------------------
+
+
+class RabbitMQAdmin:
+    """``worker publish`` and ``worker dlq``: short-lived, plain (not robust) connection."""
+
+    def __init__(self, settings: RabbitMQSettings, identity: IdentityFunc) -> None:
+        self.settings = settings
+        self.identity = identity
+        self._connection: AbstractConnection | None = None
+        self._channel: AbstractChannel | None = None
+
+    async def _open(self) -> AbstractChannel:
+        if self._channel is None:
+            try:
+                self._connection = await aio_pika.connect(
+                    self.settings.url, **_connect_args(self.settings)
+                )
+                self._channel = await self._connection.channel(on_return_raises=True)
+                await declare_topology(self._channel, self.settings)
+            except _LOST as exc:
+                await self.close()
+                raise _start_failure(self.settings, exc) from None
+        return self._channel
+
+    async def publish(self, messages: list[OutgoingMessage]) -> int:
+        """Publish to the exchange with the type as routing key, in confirmed batches."""
+        channel = await self._open()
+        settings = self.settings
+        if settings.exchange:
+            exchange = await channel.get_exchange(settings.exchange, ensure=False)
+        else:
+            exchange = channel.default_exchange
+
+        async def send(item: OutgoingMessage) -> None:
+            message = aio_pika.Message(
+                item.body,
+                headers=dict(item.headers),
+                message_id=item.message_id,
+                type=item.type,
+                content_type="application/json",
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            )
+            key = item.type if settings.exchange else settings.queue
+            try:
+                await exchange.publish(message, key)
+            except DeliveryError:  # returned: unroutable
+                raise ConfigurationError(
+                    f"WORKER_RABBITMQ_BINDING_KEYS={settings.binding_keys}: routing key {key!r} "
+                    f"(message {item.message_id!r}) reaches no queue"
+                ) from None
+
+        for start in range(0, len(messages), _PUBLISH_BATCH):
+            await asyncio.gather(*(send(m) for m in messages[start : start + _PUBLISH_BATCH]))
+        return len(messages)
+
+    async def dead_letters(self, limit: int) -> list[DeadLetterInfo]:
+        """Peek: take up to ``limit`` unacked, then give them all back."""
+        await self._open()
+        assert self._connection is not None
+        peek = await self._connection.channel(publisher_confirms=False)
+        try:
+            dead = await peek.get_queue(self.settings.dead_letter_queue, ensure=False)
+            letters = []
+            for _ in range(limit):
+                message = await dead.get(no_ack=False, fail=False)
+                if message is None:
+                    break
+                letters.append(self._describe(message))
+        finally:
+            await peek.close()  # unacked messages return to the queue
+        return letters
+
+    async def resubmit(self, limit: int) -> int:
+        """Move dead letters back to the work queue with a fresh delivery count."""
+        channel = await self._open()
+        dead = await channel.get_queue(self.settings.dead_letter_queue, ensure=False)
+        moved = 0
+        while moved < limit:
+            message = await dead.get(no_ack=False, fail=False)
+            if message is None:
+                break
+            resubmits = _int((message.headers or {}).get("x-worker-resubmitted")) + 1
+            copy = _copy(message, **{"x-worker-resubmitted": resubmits})
+            await channel.default_exchange.publish(copy, self.settings.queue)
+            await message.ack()
+            moved += 1
+        return moved
+
+    def _describe(self, message: AbstractIncomingMessage) -> DeadLetterInfo:
+        headers = dict(message.headers or {})
+        reason = _header(headers, REASON_HEADER)
+        if reason is None:  # dead-lettered by the broker itself (a policy, a TTL)
+            deaths = headers.get("x-death")
+            first = deaths[0] if isinstance(deaths, list) and deaths else None
+            first = first if isinstance(first, dict) else {}
+            reason = f"broker: {_header(first, 'reason') or 'unknown'} in {_header(first, 'queue')}"
+        return DeadLetterInfo(
+            self.identity(message), message_type(message), reason, message.body, headers
+        )
+
+    async def close(self) -> None:
+        if self._connection is not None:
+            with contextlib.suppress(*_LOST):
+                await self._connection.close()
+        self._connection = self._channel = None
+
+
+def open_broker(settings: Settings) -> RabbitMQBroker:
+    rabbit = load(RabbitMQSettings)
+    ssl_context(rabbit)  # a bad TLS setting fails at start, as one line
+    return RabbitMQBroker(rabbit, make_identity(rabbit, settings.message_id_func))
+
+
+def open_admin(settings: Settings) -> RabbitMQAdmin:
+    rabbit = load(RabbitMQSettings)
+    return RabbitMQAdmin(rabbit, make_identity(rabbit, settings.message_id_func))
