@@ -91,7 +91,14 @@ TABLE: list[tuple[str | None, str, bytes, list[str]]] = [
     ("fails", "Fails", BODY, ["nack", "nack", "dead-letter"]),
     ("poison", "Poison", BODY, ["dead-letter"]),
     ("ask-retry", "AskRetry", BODY, ["nack", "nack", "nack", "dead-letter"]),
-    ("stale", "Stale", BODY, ["nack", "nack", "nack", "dead-letter"]),
+    # its own, existing account: a first credit racing "ok" on account "a" would make this
+    # a primary-key violation instead of a version conflict
+    (
+        "stale",
+        "Stale",
+        b'{"account_id": "s", "amount": "1"}',
+        ["nack", "nack", "nack", "dead-letter"],
+    ),
     ("order", "OrderNumberTaken", BODY, ["nack", "nack", "dead-letter"]),
     ("commits", "Commits", BODY, ["nack", "nack", "dead-letter"]),
     ("not-json", "Credit", b"{not json", ["dead-letter"]),
@@ -111,6 +118,7 @@ async def test_settlement_table(engine: AsyncEngine, make_settings: Any, run_pum
         await connection.execute(
             InboxMarker.__table__.insert().values(message_id="dup", consumer="credit")
         )
+        await connection.execute(Account.__table__.insert().values(id="s", balance=0, version=1))
     calls: Counter[str] = Counter()
     settings = make_settings(max_deliveries=3, max_attempts=2)
     broker = MemoryBroker()
