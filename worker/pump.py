@@ -240,6 +240,7 @@ class Pump:
         while True:
             attempt += 1
             session: PumpSession = self._sessions()
+            spent = True
             try:
                 if fast_path and await inbox.seen(session, message_id, consumer):
                     self._note(delivery, consumer, attempt, "duplicate", fast_path=True)
@@ -256,6 +257,9 @@ class Pump:
                 )
                 await handler.func(context, message)
                 await AsyncSession.commit(session)
+                # Committed: the connection is back in the pool and nothing is left to
+                # roll back, so the session is dropped unclosed (one greenlet hop less).
+                spent = False
                 self._note(delivery, consumer, attempt, "committed")
                 return _COMMITTED
             except Poison as exc:
@@ -264,26 +268,44 @@ class Pump:
                 self._note(delivery, consumer, attempt, "retry-requested", reason=str(exc))
                 return _Verdict(NACK, "retry-requested", str(exc), exc.delay)
             except Exception as exc:
-                failure = classify(exc)
-                final = await self._final(delivery, handler, attempt, session, exc, failure)
-                if final is not None:
-                    return final
-                if failure is Failure.CONNECTION:
-                    if not await self.health.confirm():
-                        self._note(delivery, consumer, attempt, "paused", error=exc)
-                        return _PAUSED
-                elif failure is not Failure.CONFLICT and failure is not Failure.TRANSIENT:
-                    return self._failed(delivery, consumer, attempt, exc)
-                if attempt >= settings.max_attempts:
-                    self._note(delivery, consumer, attempt, "attempts-exhausted", error=exc)
-                    return _Verdict(NACK, "attempts-exhausted", f"{failure.value}: {exc}")
-                self.stats[f"retried-{failure.value}"] += 1
-                self._note(delivery, consumer, attempt, "retrying", failure=failure.value)
-                await asyncio.sleep(
-                    backoff(attempt, settings.retry_backoff, settings.retry_backoff_max)
-                )
+                verdict = await self._after_failure(delivery, handler, attempt, session, exc)
+                if verdict is not None:
+                    return verdict
             finally:
-                await _discard(session)
+                if spent:
+                    await _discard(session)
+
+    async def _after_failure(
+        self,
+        delivery: Delivery,
+        handler: Handler[Any],
+        attempt: int,
+        session: AsyncSession,
+        exc: Exception,
+    ) -> _Verdict | None:
+        """Decide after a failed attempt: a verdict, or None after backing off to retry."""
+        consumer = handler.consumer
+        failure = classify(exc)
+        final = await self._final(delivery, handler, attempt, session, exc, failure)
+        if final is not None:
+            return final
+        if failure is Failure.CONNECTION:
+            if not await self.health.confirm():
+                self._note(delivery, consumer, attempt, "paused", error=exc)
+                return _PAUSED
+        elif failure is not Failure.CONFLICT and failure is not Failure.TRANSIENT:
+            return self._failed(delivery, consumer, attempt, exc)
+        settings = self.settings
+        if attempt >= settings.max_attempts:
+            self._note(delivery, consumer, attempt, "attempts-exhausted", error=exc)
+            return _Verdict(NACK, "attempts-exhausted", f"{failure.value}: {exc}")
+        self.stats[f"retried-{failure.value}"] += 1
+        self._note(delivery, consumer, attempt, "retrying", failure=failure.value)
+        # end the failed transaction before backing off: on PostgreSQL it may still hold
+        # the marker's key, which a replica racing for the same message would wait on
+        await _discard(session)
+        await asyncio.sleep(backoff(attempt, settings.retry_backoff, settings.retry_backoff_max))
+        return None
 
     async def _final(
         self,
