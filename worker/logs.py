@@ -49,6 +49,25 @@ def configure(level: str = "INFO", fmt: str = "auto") -> None:
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=False,
     )
+    # Libraries (aio-pika, aiokafka, azure, alembic) log through the standard library:
+    # render their records the same way, scrubbed, so the stream stays one format.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[
+                structlog.stdlib.add_logger_name,
+                structlog.processors.add_log_level,
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
+            ],
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                *processors[3:],
+            ],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(max(logging.WARNING, logging.getLevelNamesMapping()[level]))
 
 
 def get_logger(**bound: Any) -> Any:
