@@ -163,7 +163,12 @@ class Pump:
         while not self._stop.is_set():
             idle.add(task)
             await self.health.wait_available()
-            delivery = await self.broker.receive()
+            try:
+                delivery = await self.broker.receive()
+            except Exception as exc:  # an adapter bug must not silently retire this worker
+                self._log.error("receive failed", error=exc)
+                await asyncio.sleep(1.0)
+                continue
             idle.discard(task)  # from here on, shutdown waits for this delivery
             self.in_flight += 1
             try:

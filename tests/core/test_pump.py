@@ -406,3 +406,27 @@ async def test_graceful_stop_settles_in_flight_and_leaves_the_rest(
     assert [verb for verb, _, _ in broker.history] == ["ack"]
     assert len(broker.ready) == 4 and broker.in_flight == 0
     assert await markers(engine) == 1
+
+
+async def test_a_failing_receive_does_not_retire_the_worker(
+    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+) -> None:
+    broker = MemoryBroker()
+    consumer = broker.connect()
+    real_receive = consumer.receive
+    calls = 0
+
+    async def flaky_receive() -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("adapter bug")
+        return await real_receive()
+
+    consumer.receive = flaky_receive  # type: ignore[method-assign]
+    registry = Registry()
+    registry.handler("Credit", CreditRequested, consumer="credit")(apply_credit)
+    async with run_pumps([consumer], [engine], registry, make_settings(concurrency=1)):
+        broker.publish("m1", "Credit", BODY)
+        await broker.wait_idle(timeout=10)
+    assert verbs(broker, "m1") == ["ack"]
