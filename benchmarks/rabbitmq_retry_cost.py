@@ -27,7 +27,13 @@ import aio_pika
 
 from worker import logs
 from worker.brokers import OutgoingMessage
-from worker.brokers.rabbitmq import RabbitMQAdmin, RabbitMQBroker, RabbitMQSettings, make_identity
+from worker.brokers.rabbitmq import (
+    RabbitMQAdmin,
+    RabbitMQBroker,
+    RabbitMQSettings,
+    delete_topology,
+    make_identity,
+)
 from worker.delivery import Delivery
 
 
@@ -81,13 +87,7 @@ async def measure(settings: RabbitMQSettings, messages: int) -> dict[str, Any]:
 async def cleanup(settings: RabbitMQSettings) -> None:
     connection = await aio_pika.connect(settings.url)
     async with connection:
-        channel = await connection.channel()
-        names = [settings.queue, settings.dead_letter_queue]
-        names += [settings.retry_queue(d) for d in settings.retry_delays]
-        for name in names:
-            await channel.queue_delete(name, if_unused=False, if_empty=False)
-        for exchange in (settings.exchange, settings.dead_letter_exchange):
-            await channel.exchange_delete(exchange)
+        await delete_topology(await connection.channel(), settings)
 
 
 async def main() -> None:

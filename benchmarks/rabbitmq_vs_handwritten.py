@@ -43,6 +43,7 @@ from worker.brokers.rabbitmq import (
     RabbitMQBroker,
     RabbitMQSettings,
     declare_topology,
+    delete_topology,
     make_identity,
 )
 from worker.db import create_engine
@@ -172,13 +173,7 @@ async def admin_sql(admin_url: str, sql: str) -> None:
 async def cleanup(settings: RabbitMQSettings) -> None:
     connection = await aio_pika.connect(settings.url)
     async with connection:
-        channel = await connection.channel()
-        names = [settings.queue, settings.dead_letter_queue]
-        names += [settings.retry_queue(d) for d in settings.retry_delays]
-        for name in names:
-            await channel.queue_delete(name, if_unused=False, if_empty=False)
-        for exchange in (settings.exchange, settings.dead_letter_exchange):
-            await channel.exchange_delete(exchange)
+        await delete_topology(await connection.channel(), settings)
 
 
 async def main() -> None:

@@ -320,6 +320,17 @@ async def declare_topology(channel: AbstractChannel, settings: RabbitMQSettings)
     return work
 
 
+async def delete_topology(channel: AbstractChannel, settings: RabbitMQSettings) -> None:
+    """Remove what :func:`declare_topology` made, messages included (tests, benchmarks)."""
+    names = [settings.queue, settings.dead_letter_queue]
+    names += [settings.retry_queue(delay) for delay in settings.retry_delays]
+    for name in names:
+        await channel.queue_delete(name, if_unused=False, if_empty=False)
+    for exchange in (settings.exchange, settings.dead_letter_exchange):
+        if exchange:  # "" is the default exchange, which cannot be deleted
+            await channel.exchange_delete(exchange)
+
+
 # -- the consumer ------------------------------------------------------------------
 
 
