@@ -27,7 +27,11 @@ INBOX_CONSTRAINT = "uq_inbox_message_consumer"
 _SQLITE_CONSTRAINT_UNIQUE = 2067
 _SQLITE_INBOX_COLUMNS = "UNIQUE constraint failed: inbox.message_id, inbox.consumer"
 _RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})  # serialization failure, deadlock
-_UNAVAILABLE_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "08000", "08001", "08003", "08006"})
+# "The database cannot serve you now": pause and probe, never blame the message.
+# 08 connection exception, 53 insufficient resources (53300 too many connections),
+# 28 invalid authorization (a rotated password), 3D000 no such database.
+_UNAVAILABLE_SQLSTATE_CLASSES = ("08", "53", "28")
+_UNAVAILABLE_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "3D000"})
 
 
 class Base(DeclarativeBase):
@@ -127,14 +131,23 @@ def classify(exc: BaseException) -> Failure:
         code = sqlstate(exc)
         if code in _RETRYABLE_SQLSTATES:
             return Failure.TRANSIENT
-        if code in _UNAVAILABLE_SQLSTATES or _is_os_error(exc.orig):
+        if _unavailable(code) or _is_os_error(exc.orig):
             return Failure.CONNECTION
         if isinstance(exc.orig, sqlite3.OperationalError):
             return _classify_sqlite(exc.orig)
         return Failure.ERROR
     if isinstance(exc, OSError):  # asyncpg raises refusals and resets unwrapped
         return Failure.CONNECTION
+    code = getattr(exc, "sqlstate", None)  # asyncpg's own errors, raised while connecting
+    if isinstance(code, str) and _unavailable(code):
+        return Failure.CONNECTION
     return Failure.ERROR
+
+
+def _unavailable(code: str | None) -> bool:
+    return code is not None and (
+        code in _UNAVAILABLE_SQLSTATES or code.startswith(_UNAVAILABLE_SQLSTATE_CLASSES)
+    )
 
 
 def is_inbox_violation(exc: IntegrityError) -> bool:

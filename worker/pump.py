@@ -170,6 +170,8 @@ class Pump:
                 await asyncio.sleep(1.0)
                 continue
             idle.discard(task)  # from here on, shutdown waits for this delivery
+            if not self.health.available:  # the gate closed while this loop was waiting:
+                await self.health.wait_available()  # hold the delivery, don't burn a count
             self.in_flight += 1
             try:
                 if self.tracing is None:
