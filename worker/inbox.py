@@ -26,6 +26,9 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from worker.db import INBOX_CONSTRAINT, Base
 
+MESSAGE_ID_LENGTH = 255
+"""Longer dedup keys cannot be stored: the pump dead-letters such a message at once."""
+
 
 class InboxMarker(Base):
     """Proof that ``consumer`` processed ``message_id``.
@@ -51,7 +54,7 @@ class InboxMarker(Base):
     id: Mapped[int] = mapped_column(
         BigInteger().with_variant(Integer(), "sqlite"), Identity(), primary_key=True
     )
-    message_id: Mapped[str] = mapped_column(String(255))
+    message_id: Mapped[str] = mapped_column(String(MESSAGE_ID_LENGTH))
     consumer: Mapped[str] = mapped_column(String(255))
     received_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.current_timestamp()

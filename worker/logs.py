@@ -39,7 +39,9 @@ def configure(level: str = "INFO", fmt: str = "auto") -> None:
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
-        structlog.processors.format_exc_info if as_json else structlog.dev.set_exc_info,
+        # tracebacks become text *before* the scrubber sees the event: an exception's
+        # message may carry a connection string
+        structlog.processors.format_exc_info,
         _scrub_event,
         structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer(),
     ]

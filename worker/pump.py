@@ -191,6 +191,9 @@ class Pump:
         settings = self.settings
         if delivery.message_id is None:
             return await self._settle(delivery, _Verdict(DEAD_LETTER, "poison", "no message id"))
+        if len(delivery.message_id) > inbox.MESSAGE_ID_LENGTH:
+            reason = f"message id longer than {inbox.MESSAGE_ID_LENGTH} characters"
+            return await self._settle(delivery, _Verdict(DEAD_LETTER, "poison", reason))
         if delivery.delivery_count > settings.max_deliveries:
             limit = settings.max_deliveries
             reason = f"delivered {delivery.delivery_count} times (WORKER_MAX_DELIVERIES={limit})"
