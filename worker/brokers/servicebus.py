@@ -7,7 +7,8 @@ Verb mapping:
   a dead lock.
 - ``nack(delay)``: ``abandon_message``: the entity re-offers the message at once
   with its delivery count + 1. Service Bus cannot delay an abandon, so a
-  ``delay`` is served by holding the (renewed) lock that long, then abandoning.
+  ``delay`` is served by holding the (renewed) lock that long, then abandoning;
+  never past the lock renewal window, and not at all when renewal is off.
 - ``dead_letter(reason)``: ``dead_letter_message(reason=..., error_description=...)``
   into the entity's ``$DeadLetterQueue``.
 
@@ -27,6 +28,7 @@ import asyncio
 import functools
 import importlib
 import json
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from datetime import datetime
@@ -69,6 +71,7 @@ _REASON_LIMIT = 256
 _DESCRIPTION_LIMIT = 4096
 _SEND_CHUNK = 100
 _LOCK_LOST = (MessageLockLostError, SessionLockLostError, MessageNotFoundError)
+_HOLD_MARGIN = 5.0  # a delayed nack abandons this long before lock renewal ends (at most)
 
 
 class ServiceBusSettings(BaseSettings):
@@ -307,7 +310,7 @@ class _Link:
 class _Lock:
     """The settlement handle: one locked message and the receiver that holds its lock."""
 
-    __slots__ = ("done", "link", "lost", "message", "message_id", "renewer")
+    __slots__ = ("done", "later", "link", "lost", "message", "message_id", "received", "renewer")
 
     def __init__(
         self, link: _Link, message: ServiceBusReceivedMessage, message_id: str | None
@@ -315,9 +318,11 @@ class _Lock:
         self.link = link
         self.message = message
         self.message_id = message_id
+        self.received = time.monotonic()  # when the renewer's max_lock_renewal clock started
         self.lost: str | None = None
         self.done = False
         self.renewer: AutoLockRenewer | None = None
+        self.later: asyncio.Task[None] | None = None  # a delayed abandon, while it waits
 
 
 class ServiceBusConsumer:
@@ -483,7 +488,19 @@ class ServiceBusConsumer:
             self._accept(link, message)
 
     def _accept(self, link: _Link, message: ServiceBusReceivedMessage) -> None:
-        message_id = self._identity(message)
+        try:
+            message_id = self._identity(message)
+        except Exception as exc:  # a deployment's id function must not sink the whole batch
+            self.stats["identity_failed"] += 1
+            self._log.warning(
+                "message id function failed",
+                error=_describe(exc),
+                broker_message_id=default_message_id(message),
+                sequence_number=message.sequence_number,
+                delivery_count=(message.delivery_count or 0) + 1,
+                outcome="no-message-id",
+            )
+            message_id = None  # the pump dead-letters it: "no message id"
         handle = _Lock(link, message, message_id)
         link.unsettled += 1
         self._locks.add(handle)
@@ -513,20 +530,29 @@ class ServiceBusConsumer:
     async def _renewal_failed(
         self, handle: _Lock, _renewable: Any, error: Exception | None
     ) -> None:
-        """The renewer gave up on a lock still in use: whatever the handler does, no complete."""
+        """The renewer gave up on a lock still in use: whatever the handler does, no complete.
+
+        A delayed nack waiting on that lock holds nothing any more: the entity re-offers
+        the message on its own, so the wait ends here and the slot is free again.
+        """
         if handle.done:
             return
         handle.lost = (
             _describe(error) if error is not None else "lock expired before it was renewed"
         )
         self.stats["lock_lost"] += 1
+        later, handle.later = handle.later, None
         self._log.warning(
             "servicebus lock lost while processing",
             message_id=handle.message_id,
             delivery_count=(handle.message.delivery_count or 0) + 1,
             error=handle.lost,
+            retry_delay_dropped=later is not None,
             outcome="lock-lost",
         )
+        if later is not None:
+            await self._finish(handle)  # first: the cancelled wait then abandons nothing
+            later.cancel()
 
     async def _retire(self, link: _Link) -> None:
         """Stop using a receiver; keep it open while its messages can still be settled."""
@@ -548,12 +574,37 @@ class ServiceBusConsumer:
         await self._settle(handle, "complete", handle.link.receiver.complete_message)
 
     async def nack(self, handle: _Lock, delay: float | None) -> None:
-        if delay and delay > 0 and not self._closed:
-            task = asyncio.create_task(self._abandon_later(handle, delay))
+        hold = self._hold_for(handle, delay) if delay and delay > 0 and not self._closed else 0
+        if hold > 0:
+            task = asyncio.create_task(self._abandon_later(handle, hold))
+            handle.later = task
             self._later.add(task)
             task.add_done_callback(self._later.discard)
             return
         await self._settle(handle, "abandon", handle.link.receiver.abandon_message)
+
+    def _hold_for(self, handle: _Lock, delay: float) -> float:
+        """How long a delayed nack may keep the lock: only while the renewer still renews it.
+
+        Past ``max_lock_renewal`` the lock expires unseen and the entity re-offers the
+        message while this consumer would still count it against its slots.
+        """
+        window = self.settings.max_lock_renewal
+        left = 0.0  # renewal off, or the lock already lost: abandon at once
+        if window > 0 and handle.lost is None:
+            left = handle.received + window - min(_HOLD_MARGIN, window / 4) - time.monotonic()
+        hold = max(0.0, min(delay, left))
+        if hold < delay:
+            self.stats["retry_delay_capped"] += 1
+            self._log.info(
+                "servicebus retry delay cut to the lock renewal window",
+                message_id=handle.message_id,
+                delivery_count=(handle.message.delivery_count or 0) + 1,
+                delay_s=delay,
+                held_s=round(hold, 2),
+                outcome="retry",
+            )
+        return hold
 
     async def dead_letter(self, handle: _Lock, reason: str) -> None:
         count = (handle.message.delivery_count or 0) + 1
@@ -568,10 +619,11 @@ class ServiceBusConsumer:
 
         await self._settle(handle, "dead-letter", dead_letter)
 
-    async def _abandon_later(self, handle: _Lock, delay: float) -> None:
+    async def _abandon_later(self, handle: _Lock, hold: float) -> None:
         try:
-            await asyncio.sleep(delay)  # the renewer keeps the lock meanwhile
+            await asyncio.sleep(hold)  # the renewer keeps the lock meanwhile
         finally:
+            handle.later = None
             await self._give_back(handle)
 
     async def _give_back(self, handle: _Lock) -> None:
