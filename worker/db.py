@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import sqlite3
+from contextvars import ContextVar
 from typing import Any, NoReturn
 
 from sqlalchemy import MetaData, event, text
@@ -16,7 +17,7 @@ from sqlalchemy.ext.asyncio import (
     async_sessionmaker,
     create_async_engine,
 )
-from sqlalchemy.orm import DeclarativeBase
+from sqlalchemy.orm import DeclarativeBase, Session
 from sqlalchemy.orm.exc import StaleDataError
 
 from worker.errors import TransactionOwnedByPump
@@ -48,13 +49,55 @@ class Base(DeclarativeBase):
     )
 
 
+HANDLER_RUNNING: ContextVar[bool] = ContextVar("worker_handler_running", default=False)
+"""Set by the pump while a handler runs: any commit in that time is refused."""
+
+
+def _refuse_while_handler_runs(what: str) -> None:
+    if HANDLER_RUNNING.get():
+        raise TransactionOwnedByPump(
+            f"handlers must not {what}: the pump commits once, with the inbox marker"
+        )
+
+
+class _GuardedSession(Session):
+    """The synchronous half of :class:`PumpSession`, guarded the same way.
+
+    Closes the side doors ``session.sync_session.commit()`` and
+    ``session.run_sync(lambda s: s.commit())``.
+    """
+
+    def commit(self) -> None:
+        _refuse_while_handler_runs("commit")
+        super().commit()
+
+    def rollback(self) -> None:
+        _refuse_while_handler_runs("roll back")
+        super().rollback()
+
+
+def _refuse_connection_commit(connection: Any) -> None:
+    """``(await session.connection()).commit()`` ends the same transaction: refuse it too.
+
+    Raising here alone would leave the DBAPI connection inside its transaction while
+    SQLAlchemy believes it ended; invalidating first discards the connection, and the
+    database rolls the transaction back.
+    """
+    if HANDLER_RUNNING.get():
+        connection.invalidate()
+        _refuse_while_handler_runs("commit")
+
+
 class PumpSession(AsyncSession):
     """The session a handler gets: the pump owns its transaction.
 
     A handler that commits would make its writes permanent even when the inbox
     marker is then rejected as a duplicate, so commit, rollback and close fail
-    loudly here; the pump calls the :class:`AsyncSession` methods directly.
+    loudly here; the pump calls the :class:`AsyncSession` methods directly, and
+    only after the handler returned (:data:`HANDLER_RUNNING`).
     """
+
+    sync_session_class = _GuardedSession
 
     async def commit(self) -> NoReturn:
         raise TransactionOwnedByPump(
@@ -73,10 +116,12 @@ def create_engine(url: str, *, pool_size: int = 5) -> AsyncEngine:
     if url.startswith("sqlite"):
         engine = create_async_engine(url, pool_size=pool_size, connect_args={"timeout": 30})
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
-        return engine
-    return create_async_engine(
-        url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=False
-    )
+    else:
+        engine = create_async_engine(
+            url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=False
+        )
+    event.listen(engine.sync_engine, "commit", _refuse_connection_commit)
+    return engine
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:

@@ -7,18 +7,20 @@ it, B commits a change, then A writes from its stale read.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections import Counter
+from collections.abc import Coroutine
 from decimal import Decimal
 from typing import Any, cast
 
 import pytest
-from sqlalchemy import Table, delete, event, insert, select, update
+from sqlalchemy import Table, delete, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.orm.exc import StaleDataError
 
 from handlers.credit import Account, CreditRequested
 from handlers.pricing import Product
-from tests.concurrency.concurrency_helpers import count
+from tests.concurrency.concurrency_helpers import count, record_statements
 from worker import concurrency
 from worker.brokers.memory import MemoryBroker
 from worker.concurrency import Policy, RowChanged, save
@@ -40,12 +42,22 @@ async def seed(engine: AsyncEngine, version: int = 1) -> None:
 
 async def theirs(engine: AsyncEngine, **values: Any) -> None:
     """B: another writer commits a change, moving the token."""
-    async with engine.begin() as connection:
-        await connection.execute(
-            update(PRODUCTS)
-            .where(PRODUCTS.c.id == "p1")
-            .values(**values, version=PRODUCTS.c.version + 1)
-        )
+
+    async def write() -> None:
+        async with engine.begin() as connection:
+            await connection.execute(
+                update(PRODUCTS)
+                .where(PRODUCTS.c.id == "p1")
+                .values(**values, version=PRODUCTS.c.version + 1)
+            )
+
+    await another_replica(write())
+
+
+async def another_replica(write: Coroutine[Any, Any, None]) -> None:
+    """Run ``write`` as another replica would: outside this handler's context, where the
+    pump refuses every commit (worker.db.HANDLER_RUNNING)."""
+    await asyncio.create_task(write, context=contextvars.Context())
 
 
 async def row(engine: AsyncEngine) -> tuple[str, Decimal, int]:
@@ -164,12 +176,7 @@ async def test_a_vanished_row_is_deleted_not_changed(
 async def test_a_no_op_writes_nothing_and_leaves_other_readers_valid(
     engine: AsyncEngine, a: Any
 ) -> None:
-    statements: list[str] = []
-    event.listen(
-        engine.sync_engine,
-        "before_cursor_execute",
-        lambda _c, _cur, sql, *_: statements.append(sql),
-    )
+    statements = record_statements(engine)
     other = Attempt(engine)
     try:
         mine, theirs_copy = await a.load(), await other.load()
@@ -257,15 +264,19 @@ def account_registry(calls: Counter[str], deleting: AsyncEngine, mode: str) -> R
         calls["credit"] += 1
         account = await ctx.session.get_one(Account, message.account_id)
         if calls["credit"] == 1:  # another writer strikes between our read and our write
-            async with deleting.begin() as connection:
-                if mode == "deleted":
-                    await connection.execute(delete(ACCOUNTS))
-                else:
-                    await connection.execute(
-                        update(ACCOUNTS).values(
-                            balance=Account.balance + 100, version=Account.version + 1
+
+            async def strike() -> None:
+                async with deleting.begin() as connection:
+                    if mode == "deleted":
+                        await connection.execute(delete(ACCOUNTS))
+                    else:
+                        await connection.execute(
+                            update(ACCOUNTS).values(
+                                balance=Account.balance + 100, version=Account.version + 1
+                            )
                         )
-                    )
+
+            await another_replica(strike())
         account.balance += message.amount
 
     return registry

@@ -13,9 +13,12 @@ Verb mapping:
 - ``nack(delay)``: publish a copy to the retry queue whose TTL fits the delay (the
   delivery count so far rides along in ``x-worker-deliveries``), wait for the
   publisher confirm, then ack the original. With no retry queues configured, or a
-  delay of 0: ``basic.nack(requeue=True)``.
+  delay of 0: ``basic.nack(requeue=True)`` on a quorum queue (its ``x-delivery-count``
+  grows); on a classic queue, which counts nothing, the copy goes back to ``Q``.
 - ``dead_letter(reason)``: publish a copy to ``Q.dlx`` with ``x-worker-reason`` (the
   exception type and message), wait for the confirm, then ack the original.
+- A copy that fails (returned, refused, unconfirmed in time) on a live channel:
+  ``basic.nack(requeue=True)`` on the original, then ``SettlementLost``.
 
 Delivery count = ``x-worker-deliveries`` (deliveries before the last retry hop) +
 the quorum queue's ``x-delivery-count`` (returns inside the queue: nacks, crashed
@@ -478,15 +481,34 @@ class RabbitMQBroker:
     # -- Settler ----------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def _settling(self, handle: _Handle, verb: str) -> AsyncIterator[None]:
-        """Bound the settlement in time; a broken channel means the broker will redeliver."""
+    async def _settling(
+        self, handle: _Handle, verb: str, give_back: bool = False
+    ) -> AsyncIterator[None]:
+        """Bound one settlement step in time and translate vendor errors to SettlementLost.
+
+        ``give_back``: the step is the copy's publish, and the original is still held
+        on a live channel, where nothing would ever return it: requeue it first.
+        """
         if handle.generation != self._generation:
             raise SettlementLost(f"{verb} {handle.message.message_id!r}: its connection was lost")
         try:
             async with asyncio.timeout(self.settings.settle_timeout):
                 yield
         except _LOST as exc:
-            raise SettlementLost(f"{verb} {handle.message.message_id!r}: {exc!r}") from exc
+            requeued = give_back and await self._give_back(handle)
+            note = "; the original was requeued" if requeued else ""
+            raise SettlementLost(f"{verb} {handle.message.message_id!r}: {exc!r}{note}") from exc
+
+    async def _give_back(self, handle: _Handle) -> bool:
+        """Best effort ``basic.nack(requeue=True)``, so RabbitMQ really redelivers."""
+        if handle.generation != self._generation:
+            return False  # a void tag: the broker requeued it with the lost channel
+        try:
+            async with asyncio.timeout(self.settings.settle_timeout):
+                await handle.message.nack(requeue=True)
+        except _LOST:
+            return False  # the channel is gone after all, and so is the delivery
+        return True
 
     async def ack(self, handle: _Handle) -> None:
         async with self._settling(handle, "ack"):
@@ -494,13 +516,16 @@ class RabbitMQBroker:
 
     async def nack(self, handle: _Handle, delay: float | None) -> None:
         level = self.settings.retry_delay(handle.count, delay)
-        async with self._settling(handle, "nack"):
-            if level is None:
+        if level is None and self.settings.queue_type == "quorum":
+            # its x-delivery-count grows on every return, so the cheap requeue stays bounded
+            async with self._settling(handle, "nack"):
                 await handle.message.nack(requeue=True)
-                return
-            copy = _copy(handle.message, **{DELIVERIES_HEADER: handle.count})
-            await self._publish(copy, "", self.settings.retry_queue(level))
-            await handle.message.ack()
+            return
+        # A classic queue counts nothing (``redelivered`` stops at "more than once"):
+        # an immediate retry is a copy back to the work queue carrying the count.
+        target = self.settings.queue if level is None else self.settings.retry_queue(level)
+        copy = _copy(handle.message, **{DELIVERIES_HEADER: handle.count})
+        await self._copy_then_ack(handle, "nack", copy, "", target)
 
     async def dead_letter(self, handle: _Handle, reason: str) -> None:
         copy = _copy(
@@ -512,8 +537,22 @@ class RabbitMQBroker:
                 "x-worker-dead-lettered-at": datetime.now(UTC).isoformat(),
             },
         )
-        async with self._settling(handle, "dead-letter"):
-            await self._publish(copy, self.settings.dead_letter_exchange, self.settings.queue)
+        await self._copy_then_ack(
+            handle, "dead-letter", copy, self.settings.dead_letter_exchange, self.settings.queue
+        )
+
+    async def _copy_then_ack(
+        self,
+        handle: _Handle,
+        verb: str,
+        copy: aio_pika.Message,
+        exchange: str,
+        routing_key: str,
+    ) -> None:
+        """Publish the copy (confirmed), then ack the original; each step bounded on its own."""
+        async with self._settling(handle, verb, give_back=True):
+            await self._publish(copy, exchange, routing_key)
+        async with self._settling(handle, verb):
             await handle.message.ack()
 
     async def _publish(self, message: aio_pika.Message, exchange: str, routing_key: str) -> None:
