@@ -33,7 +33,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from worker import claims, inbox, metrics, retention
 from worker.brokers import Broker
 from worker.concurrency import deleted_row, prepare_models, record_rejection
-from worker.db import Failure, PumpSession, classify, session_factory
+from worker.db import HANDLER_RUNNING, Failure, PumpSession, classify, session_factory
 from worker.delivery import Delivery
 from worker.errors import Poison, Rejected, Retry, SettlementLost, WorkerError
 from worker.health import DatabaseHealth
@@ -265,7 +265,11 @@ class Pump:
                     attempt,
                     delivery.headers,
                 )
-                await handler.func(context, message)
+                running = HANDLER_RUNNING.set(True)
+                try:
+                    await handler.func(context, message)
+                finally:
+                    HANDLER_RUNNING.reset(running)
                 await AsyncSession.commit(session)
                 # Committed: the connection is back in the pool and nothing is left to
                 # roll back, so the session is dropped unclosed (one greenlet hop less).
