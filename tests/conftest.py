@@ -1,7 +1,9 @@
-"""Shared fixtures: a real PostgreSQL database per test run, a migrated SQLite file per test.
+"""Shared fixtures: a real PostgreSQL database per test run, a migrated SQLite file per test,
+and the brokers every folder may use (a throwaway RabbitMQ vhost, a Tansu Kafka test broker).
 
 A missing service skips a test locally and fails it under CI (``CI`` set), so
-a CI run can never pass by skipping what it was meant to prove.
+a CI run can never pass by skipping what it was meant to prove. Plain helpers
+(processes, waiting, queries, broker control) live in ``tests/support/``.
 """
 
 from __future__ import annotations
@@ -9,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -19,6 +20,10 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from tests.support.rabbitmq import guest_url, throwaway_vhost
+from tests.support.services import require_service
+from tests.support.tansu import Tansu, running_tansu
+from worker.brokers.rabbitmq import RabbitMQSettings
 from worker.db import create_engine
 from worker.migrate import upgrade
 from worker.settings import Settings
@@ -26,18 +31,6 @@ from worker.settings import Settings
 POSTGRES_ADMIN_URL = os.environ.get(
     "WORKER_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
 )
-
-
-def require_service(host: str, port: int, what: str) -> None:
-    """Skip (or, under CI, fail) when nothing listens on host:port."""
-    try:
-        with socket.create_connection((host, port), timeout=1):
-            return
-    except OSError as exc:
-        message = f"{what} is not reachable at {host}:{port} ({exc})"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
 
 
 async def _admin(sql: str) -> None:
@@ -185,3 +178,45 @@ def run_pumps() -> Callable[..., Any]:
             await asyncio.gather(*tasks)
 
     return run
+
+
+# -- brokers -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def rabbitmq_vhost() -> Iterator[str]:
+    """A fresh RabbitMQ vhost for this test session, deleted (with everything in it) afterwards."""
+    with throwaway_vhost() as name:
+        yield name
+
+
+@pytest.fixture(scope="session")
+def amqp_url(rabbitmq_vhost: str) -> str:
+    return guest_url(rabbitmq_vhost)
+
+
+@pytest.fixture
+def rabbit_settings(amqp_url: str) -> Callable[..., RabbitMQSettings]:
+    """RabbitMQ settings in the session's vhost; queue and exchange names unique to the test."""
+    queue = f"q{uuid.uuid4().hex[:8]}"
+
+    def make(**overrides: Any) -> RabbitMQSettings:
+        values: dict[str, Any] = {
+            "url": amqp_url,
+            "queue": queue,
+            "exchange": f"{queue}.in",
+            "retry_delays": [0.2, 0.5],
+            "reconnect_interval": 0.3,
+            "settle_timeout": 5.0,
+            **overrides,
+        }
+        return RabbitMQSettings(**values)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tansu() -> Iterator[Tansu]:
+    """An in-memory Tansu (Kafka) on a free loopback port, stopped (by PID) after the session."""
+    with running_tansu() as broker:
+        yield broker

@@ -17,6 +17,7 @@ claimed, lease still running           nack after the rest of the lease: the own
                                        still be calling, and if it died we come back
 claimed, lease expired                 take it over with a conditional UPDATE (one
                                        replica wins), repeat the call with the same key
+abandoned                              take it over at once, as if there were no marker
 =====================================  ================================================
 
 A crash between claim and call therefore delays the call by one lease instead
@@ -26,8 +27,19 @@ the lease (so the redelivery may take over at once) and is never marked
 finished. Lease times come from the database's clock on PostgreSQL, so a
 replica whose clock runs fast cannot steal a live claim.
 
+Only one replica's "finished" mark commits: a replica whose mark finds the claim
+already finished (its lease ran out and a takeover finished first) rolls its
+own writes back, since the winner's writes recorded the same call.
+
+A claim whose message was dead-lettered (``Poison``, or a failure on the last
+allowed delivery) is marked *abandoned*: terminal for the sweeper, which never
+calls for it again, yet no obstacle to a new delivery of the message (a
+re-submitted dead letter), which takes it over.
+
 :func:`stale_claims` and :func:`redrive` are the sweeper (``worker sweep``):
 a claim stores the message body, so it can be finished without a redelivery.
+The sweeper re-drives a claim only while its ``attempts`` are below
+``WORKER_MAX_DELIVERIES``; after that it abandons the claim instead.
 """
 
 from __future__ import annotations
@@ -43,10 +55,21 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
-from sqlalchemy import ColumnElement, DateTime, Interval, Table, func, literal, select, update
+from sqlalchemy import (
+    ColumnElement,
+    DateTime,
+    Interval,
+    Table,
+    and_,
+    func,
+    literal,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from worker.db import insert_ignoring_conflicts
+from worker.db import HANDLER_RUNNING, insert_ignoring_conflicts
 from worker.errors import Poison, Retry
 from worker.inbox import InboxMarker
 from worker.logs import get_logger
@@ -58,7 +81,7 @@ if TYPE_CHECKING:
 
 M = TypeVar("M", bound=BaseModel)
 
-CLAIMED, FINISHED = "claimed", "finished"
+CLAIMED, FINISHED, ABANDONED = "claimed", "finished", "abandoned"
 ACK, NACK, DEAD_LETTER = "ack", "nack", "dead-letter"
 
 _inbox = cast(Table, InboxMarker.__table__)
@@ -185,7 +208,7 @@ async def acquire(
             await AsyncSession.commit(session)
             return Claim(row.id, owner, 1, _aware(row.lease_until))
         mine = _inbox.c.message_id == message_id, _inbox.c.consumer == consumer
-        claim = await _take_over(session, mine, owner, lease)
+        claim = await _take_over(session, mine, owner, lease, abandoned=True)
         if claim is not None:
             await AsyncSession.commit(session)
             return claim
@@ -196,26 +219,39 @@ async def acquire(
                 )
             )
         ).first()
-        if state is None or state.state != CLAIMED:
-            return None if state is not None else Held(0.0)  # purged in between: look again
+        if state is None or state.state == ABANDONED:
+            return Held(0.0)  # purged or abandoned in between: look again
+        if state.state != CLAIMED:
+            return None
         return Held(max(0.0, (_aware(state.lease_until) - _aware(state.now)).total_seconds()))
     finally:
         await _close(session)
 
 
 async def _take_over(
-    session: AsyncSession, where: tuple[ColumnElement[bool], ...], owner: str, lease: float
+    session: AsyncSession,
+    where: tuple[ColumnElement[bool], ...],
+    owner: str,
+    lease: float,
+    *,
+    abandoned: bool = False,
 ) -> Claim | None:
     """The conditional UPDATE: only a claim whose lease has run out, so only one replica wins.
 
     On PostgreSQL a second replica's UPDATE waits for the first's row lock and
     then re-checks the WHERE against the new lease, which no longer qualifies.
+    ``abandoned``: a new delivery may also take an abandoned claim (the sweeper may not).
     """
+    expired = and_(_inbox.c.state == CLAIMED, _inbox.c.lease_until < _now(session))
     statement = (
         update(_inbox)
-        .where(*where, _inbox.c.state == CLAIMED, _inbox.c.lease_until < _now(session))
+        .where(*where, or_(expired, _inbox.c.state == ABANDONED) if abandoned else expired)
         .values(
-            claimed_by=owner, lease_until=_after(session, lease), attempts=_inbox.c.attempts + 1
+            state=CLAIMED,
+            processed_at=None,
+            claimed_by=owner,
+            lease_until=_after(session, lease),
+            attempts=_inbox.c.attempts + 1,
         )
         .returning(_inbox.c.id, _inbox.c.attempts, _inbox.c.lease_until)
     )
@@ -297,7 +333,11 @@ async def run(
     delivery_count: int,
     headers: Mapping[str, Any],
 ) -> Outcome:
-    """Call the handler under the claim, then mark it finished; release it if the call failed."""
+    """Call the handler under the claim, then mark it finished; release it if the call failed.
+
+    A failure that dead-letters the message (``Poison``, or any failure but ``Retry``
+    on the last allowed delivery, as the pump decides) abandons the claim instead.
+    """
     session = sessions()
     context = ClaimContext(
         session, message_id, handler.consumer, delivery_count, claim.attempts, headers
@@ -305,19 +345,26 @@ async def run(
     context.claim = claim
     context.settings = settings
     func = cast(ClaimFunc[Any], handler.func)
+    last = delivery_count >= settings.max_deliveries  # the sweeper passes 0
+    who = {"message_id": message_id, "consumer": handler.consumer}
     try:
         try:
-            async with asyncio.timeout(settings.claim_call_timeout):
-                result = await func(context, message)
+            running = HANDLER_RUNNING.set(True)  # the claim commits, never the handler
+            try:
+                async with asyncio.timeout(settings.claim_call_timeout):
+                    result = await func(context, message)
+            finally:
+                HANDLER_RUNNING.reset(running)
         except TimeoutError:
             error: Exception = TimeoutError(
                 f"call took longer than WORKER_CLAIM_CALL_TIMEOUT={settings.claim_call_timeout}s"
             )
-            await _release(sessions, claim, error, log)
+            await _release(sessions, claim, error, log, abandon=last, **who)
             raise error from None
         except Exception as exc:
             # CancelledError (shutdown, a crash) skips this: the lease runs out instead.
-            await _release(sessions, claim, exc, log)
+            abandon = isinstance(exc, Poison) or (last and not isinstance(exc, Retry))
+            await _release(sessions, claim, exc, log, abandon=abandon, **who)
             if isinstance(exc, Poison):
                 return Outcome(DEAD_LETTER, "poison", f"{handler.consumer}: {exc}")
             if isinstance(exc, Retry):
@@ -327,27 +374,34 @@ async def run(
     finally:
         await _close(session)
     if not finished:
-        # Our lease ran out mid-call and another replica finished first, with the same key.
-        log.info(
-            "claim finished elsewhere",
+        # Our lease ran out mid-call and another replica finished first, with the same key:
+        # its writes recorded the call, ours were rolled back.
+        reason = "claim finished by another replica; this replica's writes were rolled back"
+        log.warning(
+            "claim lost",
             message_id=message_id,
             consumer=handler.consumer,
             attempt=claim.attempts,
             outcome="duplicate",
+            reason=reason,
         )
-        return Outcome(ACK, "duplicate")
+        return Outcome(ACK, "duplicate", reason)
     return Outcome(ACK, "committed")
 
 
 async def _finish(session: AsyncSession, claim: Claim, outcome: str) -> bool:
-    """Mark the claim finished with its outcome, committed with the handler's own writes.
+    """Mark the claim finished and commit the handler's writes with it; False if lost.
 
     Not conditional on the owner: the call succeeded with the message's key, so
-    the effect happened, whoever holds the lease now.
+    the effect happened, whoever holds the lease now (an abandoned claim too).
+    But only the first finish commits: the mark runs before the handler's
+    pending writes are flushed, and when it matches no row (another replica
+    finished first) the session is rolled back, so the writes recording this
+    one call are not applied twice.
     """
     statement = (
         update(_inbox)
-        .where(_inbox.c.id == claim.id, _inbox.c.state == CLAIMED)
+        .where(_inbox.c.id == claim.id, _inbox.c.state.in_((CLAIMED, ABANDONED)))
         .values(
             state=FINISHED,
             processed_at=_now(session),
@@ -356,37 +410,63 @@ async def _finish(session: AsyncSession, claim: Claim, outcome: str) -> bool:
             body=None,
         )
     )
-    finished = bool((await session.execute(statement)).rowcount)  # type: ignore[attr-defined]
+    with session.no_autoflush:
+        marked = (await session.execute(statement)).rowcount  # type: ignore[attr-defined]
+    if not marked:
+        await AsyncSession.rollback(session)
+        return False
     await AsyncSession.commit(session)
-    return finished
+    return True
 
 
 async def _release(
-    sessions: async_sessionmaker[Any], claim: Claim, error: BaseException, log: Any
+    sessions: async_sessionmaker[Any],
+    claim: Claim,
+    error: BaseException,
+    log: Any,
+    *,
+    message_id: str | None = None,
+    consumer: str | None = None,
+    abandon: bool = False,
 ) -> None:
     """End our lease now, so the redelivery may take over at once; record the error.
 
-    Conditional on the owner: if our lease already ran out and another replica
-    took over, releasing would hand its live claim to a third.
+    With ``abandon`` the message is being dead-lettered: the claim becomes
+    abandoned, so the sweeper leaves it alone. Conditional on the owner: if our
+    lease already ran out and another replica took over, releasing would hand
+    its live claim to a third.
     """
     session: AsyncSession = sessions()
+    values: dict[str, Any] = {"outcome": f"failed: {type(error).__name__}: {error}"[:255]}
+    if abandon:
+        values.update(state=ABANDONED, lease_until=None, processed_at=_now(session))
+    else:
+        values.update(lease_until=_now(session))
     try:
-        await session.execute(
+        result = await session.execute(
             update(_inbox)
             .where(
                 _inbox.c.id == claim.id,
                 _inbox.c.state == CLAIMED,
                 _inbox.c.claimed_by == claim.owner,
             )
-            .values(
-                lease_until=_now(session), outcome=f"failed: {type(error).__name__}: {error}"[:255]
-            )
+            .values(values)
         )
         await AsyncSession.commit(session)
     except Exception as exc:  # the lease still runs out by itself
         log.warning("claim release failed", claim_id=claim.id, error=exc)
+        return
     finally:
         await _close(session)
+    if abandon and result.rowcount:  # type: ignore[attr-defined]
+        log.warning(
+            "claim abandoned",
+            message_id=message_id,
+            consumer=consumer,
+            attempt=claim.attempts,
+            outcome=ABANDONED,
+            reason=values["outcome"],
+        )
 
 
 async def _close(session: AsyncSession) -> None:
@@ -480,10 +560,31 @@ async def redrive(
     *,
     limit: int = 100,
 ) -> Counter[str]:
-    """Finish stale claims without a redelivery, from the body each claim stored."""
+    """Finish stale claims without a redelivery, from the body each claim stored.
+
+    A claim whose ``attempts`` reached ``WORKER_MAX_DELIVERIES`` is not called
+    again: it is abandoned and counted as ``exhausted`` (its message has been, or
+    is about to be, dead-lettered; re-submitting the dead letter runs it again).
+    Abandoning also takes it out of :func:`stale_claims`, so a pile of hopeless
+    claims never hides the others behind ``limit``.
+    """
     results: Counter[str] = Counter()
     by_consumer = {h.consumer: h for h in handlers if h.side_effect}
     for stale in await stale_claims(sessions, limit):
+        if stale.attempts >= settings.max_deliveries:
+            gave_up = await _abandon_exhausted(sessions, stale.id, settings.max_deliveries)
+            results["exhausted" if gave_up else "lost-race"] += 1
+            if gave_up:
+                log.warning(
+                    "claim abandoned",
+                    message_id=stale.message_id,
+                    consumer=stale.consumer,
+                    attempt=stale.attempts,
+                    outcome=ABANDONED,
+                    reason=f"{stale.attempts} attempts (WORKER_MAX_DELIVERIES="
+                    f"{settings.max_deliveries}); last: {stale.outcome}",
+                )
+            continue
         handler = by_consumer.get(stale.consumer)
         body = await _body(sessions, stale.id)
         if handler is None or body is None:
@@ -532,6 +633,67 @@ async def redrive(
     return results
 
 
+async def _abandon_exhausted(
+    sessions: async_sessionmaker[Any], claim_id: int, max_attempts: int
+) -> bool:
+    """Abandon a stale claim out of attempts; False if it moved on (taken over, finished)."""
+    session: AsyncSession = sessions()
+    try:
+        result = await session.execute(
+            update(_inbox)
+            .where(
+                _inbox.c.id == claim_id,
+                _inbox.c.state == CLAIMED,
+                _inbox.c.lease_until < _now(session),
+                _inbox.c.attempts >= max_attempts,
+            )
+            .values(state=ABANDONED, lease_until=None, processed_at=_now(session))
+        )
+        await AsyncSession.commit(session)
+    finally:
+        await _close(session)
+    return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+async def abandoned_claims(
+    sessions: async_sessionmaker[Any], limit: int = 100
+) -> list[dict[str, Any]]:
+    """Abandoned claims, newest first: side effects an operator may still owe someone."""
+    session: AsyncSession = sessions()
+    try:
+        rows = (
+            await session.execute(
+                select(
+                    _inbox.c.id,
+                    _inbox.c.message_id,
+                    _inbox.c.consumer,
+                    _inbox.c.message_type,
+                    _inbox.c.attempts,
+                    _inbox.c.processed_at,
+                    _inbox.c.outcome,
+                )
+                .where(_inbox.c.state == ABANDONED)
+                .order_by(_inbox.c.processed_at.desc())
+                .limit(limit)
+            )
+        ).all()
+    finally:
+        await _close(session)
+    return [
+        {
+            "id": row.id,
+            "message_id": row.message_id,
+            "consumer": row.consumer,
+            "type": row.message_type,
+            "state": ABANDONED,
+            "attempts": row.attempts,
+            "abandoned_at": _aware(row.processed_at).isoformat() if row.processed_at else None,
+            "last_outcome": row.outcome,
+        }
+        for row in rows
+    ]
+
+
 async def _body(sessions: async_sessionmaker[Any], claim_id: int) -> bytes | None:
     session: AsyncSession = sessions()
     try:
@@ -541,8 +703,13 @@ async def _body(sessions: async_sessionmaker[Any], claim_id: int) -> bytes | Non
     return cast(bytes | None, body)
 
 
-async def sweep_command(settings: Settings, *, redrive_claims: bool, limit: int) -> int:
-    """``worker sweep``: print stale claims as JSON lines; with --redrive, finish them."""
+async def sweep_command(
+    settings: Settings, *, redrive_claims: bool, limit: int, abandoned: bool = False
+) -> int:
+    """``worker sweep``: print stale claims as JSON lines; with --redrive, finish them.
+
+    ``abandoned``: print the abandoned claims instead (and re-drive nothing).
+    """
     import json
 
     from worker.db import create_engine, session_factory
@@ -553,6 +720,10 @@ async def sweep_command(settings: Settings, *, redrive_claims: bool, limit: int)
     log = get_logger(command="sweep")
     try:
         sessions = session_factory(engine)
+        if abandoned:
+            for claim in await abandoned_claims(sessions, limit):
+                print(json.dumps(claim))
+            return 0
         for stale in await stale_claims(sessions, limit):
             print(json.dumps(stale.as_dict()))
         if redrive_claims:

@@ -33,6 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sweep = commands.add_parser("sweep", help="list side-effect claims left past their lease")
     sweep.add_argument("--redrive", action="store_true", help="finish them from the stored body")
     sweep.add_argument("--limit", type=int, default=100, help="at most this many")
+    sweep.add_argument("--abandoned", action="store_true", help="list abandoned claims instead")
     commands.add_parser("purge-inbox", help="delete finished markers older than the retention")
     args = parser.parse_args(argv)
 
@@ -51,7 +52,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             from worker.claims import sweep_command
 
             return asyncio.run(
-                sweep_command(settings, redrive_claims=args.redrive, limit=args.limit)
+                sweep_command(
+                    settings,
+                    redrive_claims=args.redrive,
+                    limit=args.limit,
+                    abandoned=args.abandoned,
+                )
             )
         if args.command == "purge-inbox":
             from worker.retention import purge_command

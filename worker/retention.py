@@ -8,9 +8,13 @@ to the very duplicate it was keeping out.
 The purge deletes in small batches, each its own short transaction (bounded
 rows per statement and statements per run), so it never holds many row locks
 for long. Only finished markers are deleted: an unfinished claim is the only
-record that a side effect may still be owed. One replica purges at a time:
-on PostgreSQL whoever holds a session advisory lock; on SQLite the process
-(SQLite is one host's file) skips a purge already running in it.
+record that a side effect may still be owed. Abandoned claims (their message
+was dead-lettered) are finished for retention: a new delivery takes an
+abandoned claim over exactly as if it were absent, so deleting one after the
+window changes no dedup decision; it only ends the operator's record of it.
+One replica purges at a time: on PostgreSQL whoever holds a session advisory
+lock; on SQLite the process (SQLite is one host's file) skips a purge already
+running in it.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, cast
 
-from sqlalchemy import Table, any_, bindparam, delete, func, select
+from sqlalchemy import Table, any_, bindparam, delete, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, async_sessionmaker
 
 from worker import claims, metrics
@@ -39,7 +43,10 @@ PURGE_LOCK = 0x776F726B_70757267  # "workpurg": the advisory lock key every repl
 _inbox = cast(Table, InboxMarker.__table__)
 _OLDEST_FINISHED = (
     select(_inbox.c.id)
-    .where(_inbox.c.state == "finished", _inbox.c.processed_at < bindparam("cutoff"))
+    .where(
+        or_(_inbox.c.state == claims.FINISHED, _inbox.c.state == claims.ABANDONED),
+        _inbox.c.processed_at < bindparam("cutoff"),
+    )
     .order_by(_inbox.c.processed_at)
     .limit(bindparam("batch"))
 )

@@ -8,18 +8,17 @@ once (as a provider that deduplicates does), and can be told to fail or hang.
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
-import sys
 from collections import Counter
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from aiohttp import web
-from sqlalchemy import Table, func, insert, select
+from sqlalchemy import Table, event, func, insert, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from tests.support.processes import clean_env, worker_cli
 from worker.inbox import InboxMarker
 
 INBOX: Table = InboxMarker.__table__  # type: ignore[assignment]
@@ -99,6 +98,17 @@ async def count(engine: AsyncEngine, table: Table, *where: Any) -> int:
     return int(found or 0)
 
 
+def record_statements(engine: AsyncEngine) -> list[str]:
+    """Every SQL statement ``engine`` sends from now on, in order (clear it to start afresh)."""
+    statements: list[str] = []
+    event.listen(
+        engine.sync_engine,
+        "before_cursor_execute",
+        lambda _c, _cur, sql, *_: statements.append(sql),
+    )
+    return statements
+
+
 async def eventually(check: Callable[[], Any], within: float = 10.0) -> None:
     """Poll ``check`` (sync or async) until it is truthy, for at most ``within`` seconds."""
     async with asyncio.timeout(within):
@@ -115,10 +125,9 @@ def run_cli(
     *args: str, env: dict[str, str], timeout: float = 60
 ) -> subprocess.CompletedProcess[str]:
     """``python -m worker.cli ...`` in a subprocess, with only the given WORKER_* variables."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
     return subprocess.run(
-        [sys.executable, "-m", "worker.cli", *args],
-        env={**clean, "WORKER_LOG_FORMAT": "json", **env},
+        worker_cli(*args),
+        env={**clean_env(), "WORKER_LOG_FORMAT": "json", **env},
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -18,6 +18,7 @@ import pytest
 
 from tests.concurrency.concurrency_helpers import MailServer, inbox_rows
 from tests.concurrency.test_side_effect_claims import BODY, claim_settings, mail_registry
+from tests.support.processes import clean_env
 from worker.brokers.memory import MemoryBroker
 from worker.db import create_engine
 
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 
 async def start_replica(cut: str, database_url: str, server: MailServer) -> Any:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    env = clean_env()
     env.update(
         {
             "WORKER_DATABASE_URL": database_url,

@@ -227,6 +227,7 @@ async def test_the_purge_walks_the_processed_at_index_on_postgresql(postgres_onl
         sql = str(retention.PURGE_BATCH["postgresql"].compile(dialect=dialect))
         for name, value in {
             "state_1": "'finished'",
+            "state_2": "'abandoned'",
             "cutoff": f"'{cutoff}'",
             "batch": "1000",
         }.items():

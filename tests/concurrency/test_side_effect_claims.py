@@ -16,7 +16,6 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from handlers.credit import CreditRequested, apply_credit
@@ -28,6 +27,7 @@ from tests.concurrency.concurrency_helpers import (
     count,
     eventually,
     inbox_rows,
+    record_statements,
     run_cli,
 )
 from worker import claims
@@ -76,7 +76,8 @@ async def test_two_replicas_racing_on_one_message_make_one_call(
     database_url: str, make_settings: Any, run_pumps: Any, mail_server: MailServer
 ) -> None:
     mail_server.delay = 0.3  # the first call is still running when the twin arrives
-    settings = claim_settings(make_settings, mail_server)
+    # a call timeout well above the call's 0.3 s, so a loaded machine does not time it out
+    settings = claim_settings(make_settings, mail_server, claim_lease=1.2, claim_call_timeout=0.9)
     broker = MemoryBroker()
     engines = [create_engine(database_url), create_engine(database_url)]
     try:
@@ -197,6 +198,8 @@ async def test_a_failing_server_is_retried_and_never_marked_processed(
 async def test_a_server_failing_for_good_dead_letters_and_leaves_an_unfinished_claim(
     engine: AsyncEngine, make_settings: Any, run_pumps: Any, mail_server: MailServer
 ) -> None:
+    """Out of deliveries and out of attempts: the sweeper gives the claim up without a call;
+    re-submitting the dead letter (a new delivery of the same id) takes it over and finishes."""
     mail_server.fail = 100
     broker = MemoryBroker()
     settings = claim_settings(make_settings, mail_server, max_deliveries=3)
@@ -211,14 +214,23 @@ async def test_a_server_failing_for_good_dead_letters_and_leaves_an_unfinished_c
         ("welcome-1", "welcome-email", 3)
     ]
 
-    # The provider recovers; the sweeper finishes the claim from its stored body.
+    # 3 attempts = WORKER_MAX_DELIVERIES: the sweeper abandons the claim instead of calling.
     mail_server.fail = 0
     results = await claims.redrive(session_factory(engine), mail_registry(), settings, LOG)
-    assert results == Counter({"committed": 1})
+    assert results == Counter({"exhausted": 1})
+    assert mail_server.calls["welcome-1"] == 3
     [row] = await inbox_rows(engine)
-    assert (row.state, row.outcome) == ("finished", "HTTP 202")
-    assert mail_server.calls["welcome-1"] == 4
+    assert (row.state, row.outcome) == ("abandoned", "failed: Retry: mail API answered HTTP 503")
     assert await claims.stale_claims(session_factory(engine)) == []
+
+    # The provider recovered; an operator re-submits the dead letter.
+    async with run_pumps([broker.connect()], [engine], mail_registry(), settings) as [pump]:
+        broker.publish("welcome-1", "SendWelcomeEmail", BODY)
+        await broker.wait_idle(10)
+    [row] = await inbox_rows(engine)
+    assert (row.state, row.outcome, row.attempts) == ("finished", "HTTP 202", 4)
+    assert mail_server.calls["welcome-1"] == 4
+    assert pump.stats["committed"] == 1
 
 
 async def test_a_hanging_server_times_out_releases_the_claim_and_is_called_again(
@@ -249,7 +261,8 @@ async def test_a_refusing_server_dead_letters_at_once(
     [letter] = broker.dead_letters
     assert letter.reason == "welcome-email: mail API refused the message: HTTP 422"
     [row] = await inbox_rows(engine)
-    assert row.state == "claimed"  # never marked processed: the effect did not happen
+    assert row.state == "abandoned"  # never marked finished: the effect did not happen
+    assert await claims.stale_claims(session_factory(engine)) == []  # nor re-driven
 
 
 async def test_only_one_replica_takes_over_an_expired_claim(database_url: str) -> None:
@@ -323,12 +336,7 @@ def test_worker_sweep_lists_stale_claims_as_json(database_url: str) -> None:
 async def test_regular_markers_are_finished_at_insert_with_no_extra_statement(
     engine: AsyncEngine, make_settings: Any, run_pumps: Any
 ) -> None:
-    statements: list[str] = []
-    event.listen(
-        engine.sync_engine,
-        "before_cursor_execute",
-        lambda _c, _cur, sql, *_: statements.append(sql),
-    )
+    statements = record_statements(engine)
     registry = Registry()
 
     @registry.handler("Nothing", CreditRequested, consumer="nothing")

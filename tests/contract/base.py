@@ -16,7 +16,6 @@ from __future__ import annotations
 import abc
 import asyncio
 import json
-import time
 from collections.abc import Callable
 from decimal import Decimal
 from typing import Any, ClassVar
@@ -26,6 +25,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from handlers.credit import CreditRequested, apply_credit
+from tests.support.waiting import wait_for
 from worker.brokers import Broker, DeadLetterInfo, OutgoingMessage
 from worker.pump import Pump
 from worker.registry import Context, Registry
@@ -100,54 +100,41 @@ def credit_registry(recorder: Recorder) -> Registry:
     return registry
 
 
-async def wait_for(predicate: Callable[[], bool], seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {seconds}s waiting for {what}")
-        await asyncio.sleep(0.02)
+class Bench:
+    """One test's broker (seen through its harness), SQLite database and recording handler."""
 
+    def __init__(self, harness: Harness, url: str, engine: AsyncEngine, recorder: Recorder) -> None:
+        self.harness, self.url, self.engine, self.recorder = harness, url, engine, recorder
 
-class BrokerContract:
-    """The behavioural tests every adapter must pass; subclasses provide ``harness``."""
-
-    @pytest.fixture
-    def recorder(self) -> Recorder:
-        return Recorder()
-
-    def settings(self, harness: Harness, database_url: str, **overrides: Any) -> Settings:
+    def settings(self, **overrides: Any) -> Settings:
         values: dict[str, Any] = {
-            "database_url": database_url,
+            "database_url": self.url,
             "concurrency": 4,
             "max_deliveries": 3,
             "retry_backoff": 0.001,
             "retry_backoff_max": 0.01,
             "grace_period": 5.0,
         }
-        values.update(harness.pump_settings())
+        values.update(self.harness.pump_settings())
         values.update(overrides)
         return Settings(**values)
 
-    async def consume(
-        self,
-        harness: Harness,
-        engine: AsyncEngine,
-        settings: Settings,
-        recorder: Recorder,
-        until: Callable[[Pump], bool],
-        what: str,
-    ) -> Pump:
-        """Run one pump until ``until(pump)``, then stop it gracefully."""
+    async def consume(self, until: Callable[[Pump], bool], what: str, **overrides: Any) -> Pump:
+        """Run one pump (``overrides`` on its settings) until ``until(pump)``, then stop it
+        gracefully."""
+        settings = self.settings(**overrides)
         pump = Pump(
-            harness.broker(settings),
-            engine,
-            credit_registry(recorder),
+            self.harness.broker(settings),
+            self.engine,
+            credit_registry(self.recorder),
             settings,
-            name=f"contract-{harness.name}",
+            name=f"contract-{self.harness.name}",
         )
         task = asyncio.create_task(pump.run())
         try:
-            await wait_for(lambda: until(pump) or task.done(), harness.patience, what)
+            await wait_for(
+                lambda: until(pump) or task.done(), self.harness.patience, what, step=0.02
+            )
             if task.done():
                 task.result()  # a pump that died says why
                 pytest.fail(f"the pump stopped before {what}")
@@ -157,89 +144,71 @@ class BrokerContract:
                 await task
         return pump
 
-    async def balances(self, engine: AsyncEngine) -> dict[str, Decimal]:
-        async with engine.connect() as connection:
+    async def balances(self) -> dict[str, Decimal]:
+        async with self.engine.connect() as connection:
             rows = await connection.execute(text("SELECT id, balance FROM accounts"))
             return {row[0]: Decimal(row[1]) for row in rows}
 
-    async def markers(self, engine: AsyncEngine) -> list[str]:
-        async with engine.connect() as connection:
+    async def markers(self) -> list[str]:
+        async with self.engine.connect() as connection:
             rows = await connection.execute(text("SELECT message_id FROM inbox"))
             return sorted(row[0] for row in rows)
+
+
+class BrokerContract:
+    """The behavioural tests every adapter must pass; subclasses provide ``harness``."""
+
+    @pytest.fixture
+    def recorder(self) -> Recorder:
+        return Recorder()
+
+    @pytest.fixture
+    def bench(
+        self, harness: Harness, contract_db: tuple[str, AsyncEngine], recorder: Recorder
+    ) -> Bench:
+        url, engine = contract_db
+        return Bench(harness, url, engine, recorder)
 
     # -- the contract -----------------------------------------------------------
 
     async def test_commit_is_settled(
-        self, harness: Harness, contract_db: tuple[str, AsyncEngine], recorder: Recorder
+        self, harness: Harness, recorder: Recorder, bench: Bench
     ) -> None:
-        url, engine = contract_db
         await harness.publish([credit("c-1", "acct", "5.00")])
-        pump = await self.consume(
-            harness,
-            engine,
-            self.settings(harness, url),
-            recorder,
-            lambda p: p.stats["ack"] >= 1,
-            "the ack",
-        )
+        pump = await bench.consume(lambda p: p.stats["ack"] >= 1, "the ack")
         assert recorder.seen == [("c-1", 1)]
         assert pump.stats["committed"] == 1
-        assert await self.balances(engine) == {"acct": Decimal("5.00")}
+        assert await bench.balances() == {"acct": Decimal("5.00")}
         assert await harness.remaining() == 0
         assert await harness.dead_letters() == []
 
-    async def test_duplicate_is_settled(
-        self, harness: Harness, contract_db: tuple[str, AsyncEngine], recorder: Recorder
-    ) -> None:
-        url, engine = contract_db
+    async def test_duplicate_is_settled(self, harness: Harness, bench: Bench) -> None:
         await harness.publish([credit("d-1", "acct", "2.50"), credit("d-1", "acct", "2.50")])
-        pump = await self.consume(
-            harness,
-            engine,
-            self.settings(harness, url),
-            recorder,
-            lambda p: p.stats["ack"] >= 2,
-            "both acks",
-        )
+        pump = await bench.consume(lambda p: p.stats["ack"] >= 2, "both acks")
         assert pump.stats["committed"] == 1 and pump.stats["duplicate"] == 1
-        assert await self.balances(engine) == {"acct": Decimal("2.50")}
-        assert await self.markers(engine) == ["d-1"]
+        assert await bench.balances() == {"acct": Decimal("2.50")}
+        assert await bench.markers() == ["d-1"]
         assert await harness.remaining() == 0
         assert await harness.dead_letters() == []
 
     async def test_error_is_redelivered_with_a_higher_count(
-        self, harness: Harness, contract_db: tuple[str, AsyncEngine], recorder: Recorder
+        self, harness: Harness, recorder: Recorder, bench: Bench
     ) -> None:
-        url, engine = contract_db
         recorder.failures["e-1"] = 1
         await harness.publish([credit("e-1", "acct", "1.00")])
-        pump = await self.consume(
-            harness,
-            engine,
-            self.settings(harness, url),
-            recorder,
-            lambda p: p.stats["ack"] >= 1,
-            "the retry's ack",
-        )
+        pump = await bench.consume(lambda p: p.stats["ack"] >= 1, "the retry's ack")
         assert recorder.counts("e-1") == [1, 2]
         assert pump.stats["nack"] == 1 and pump.stats["committed"] == 1
-        assert await self.balances(engine) == {"acct": Decimal("1.00")}
+        assert await bench.balances() == {"acct": Decimal("1.00")}
         assert await harness.remaining() == 0
 
     async def test_max_deliveries_dead_letter_with_the_reason(
-        self, harness: Harness, contract_db: tuple[str, AsyncEngine], recorder: Recorder
+        self, harness: Harness, recorder: Recorder, bench: Bench
     ) -> None:
-        url, engine = contract_db
         recorder.failures["x-1"] = 99
         await harness.publish([credit("x-1", "acct", "1.00")])
-        settings = self.settings(harness, url, max_deliveries=2)
-        pump = await self.consume(
-            harness,
-            engine,
-            settings,
-            recorder,
-            lambda p: p.stats["dead-letter"] >= 1,
-            "the dead letter",
+        pump = await bench.consume(
+            lambda p: p.stats["dead-letter"] >= 1, "the dead letter", max_deliveries=2
         )
         assert recorder.counts("x-1") == [1, 2]
         assert pump.stats["nack"] == 1
@@ -248,23 +217,15 @@ class BrokerContract:
         assert "failed 2 deliveries" in letter.reason and "RuntimeError" in letter.reason
         assert json.loads(letter.body) == {"account_id": "acct", "amount": "1.00"}
         assert await harness.remaining() == 0
-        assert await self.balances(engine) == {}
+        assert await bench.balances() == {}
 
     async def test_poison_is_dead_lettered_at_once(
-        self, harness: Harness, contract_db: tuple[str, AsyncEngine], recorder: Recorder
+        self, harness: Harness, recorder: Recorder, bench: Bench
     ) -> None:
-        url, engine = contract_db
         invalid = OutgoingMessage("p-1", "CreditRequested", b'{"account_id": "acct"}')
         unknown = credit("p-2", "acct", "1.00", type="NoSuchType")
         await harness.publish([invalid, unknown])
-        pump = await self.consume(
-            harness,
-            engine,
-            self.settings(harness, url),
-            recorder,
-            lambda p: p.stats["dead-letter"] >= 2,
-            "two dead letters",
-        )
+        pump = await bench.consume(lambda p: p.stats["dead-letter"] >= 2, "two dead letters")
         assert recorder.seen == [] and pump.stats["nack"] == 0
         reasons = {letter.message_id: letter.reason for letter in await harness.dead_letters()}
         assert set(reasons) == {"p-1", "p-2"}
@@ -273,35 +234,23 @@ class BrokerContract:
         assert await harness.remaining() == 0
 
     async def test_shutdown_settles_nothing_unfinished(
-        self, harness: Harness, contract_db: tuple[str, AsyncEngine], recorder: Recorder
+        self, harness: Harness, recorder: Recorder, bench: Bench
     ) -> None:
-        url, engine = contract_db
         recorder.stall.add("s-1")
         await harness.publish([credit("s-1", "acct", "7.00")])
-        settings = self.settings(harness, url, grace_period=0.2)
-        pump = await self.consume(
-            harness,
-            engine,
-            settings,
-            recorder,
-            lambda _: recorder.stalled.is_set(),
-            "the stalled handler",
+        pump = await bench.consume(
+            lambda _: recorder.stalled.is_set(), "the stalled handler", grace_period=0.2
         )
         settled = sum(pump.stats[verb] for verb in ("ack", "nack", "dead-letter"))
         assert settled == 0 and pump.stats["committed"] == 0
         assert await harness.remaining() == 1  # back in the input, not acked, not dead
         assert await harness.dead_letters() == []
-        assert await self.balances(engine) == {}
+        assert await bench.balances() == {}
 
         recorder.stall.clear()  # the next worker finishes it
-        pump = await self.consume(
-            harness,
-            engine,
-            settings,
-            recorder,
-            lambda p: p.stats["ack"] >= 1,
-            "the redelivery's ack",
+        pump = await bench.consume(
+            lambda p: p.stats["ack"] >= 1, "the redelivery's ack", grace_period=0.2
         )
         assert len(recorder.counts("s-1")) == 2  # counts after a restart are per broker
-        assert await self.balances(engine) == {"acct": Decimal("7.00")}
+        assert await bench.balances() == {"acct": Decimal("7.00")}
         assert await harness.remaining() == 0

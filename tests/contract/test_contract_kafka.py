@@ -1,14 +1,15 @@
-"""The broker contract on Kafka: the Tansu test broker, one per module (see docs/kafka.md)."""
+"""The broker contract on Kafka: the session's Tansu test broker (see docs/kafka.md)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from tests.contract.base import BrokerContract, Harness
-from tests.kafka.kafka_helpers import Tansu, create_topic, lag, settings_for, unique
+from tests.kafka.kafka_helpers import create_topic, lag, settings_for, unique
+from tests.support.tansu import Tansu
 from worker.brokers import Broker, DeadLetterInfo, OutgoingMessage
 from worker.brokers.kafka import KafkaAdmin, KafkaBroker, KafkaSettings
 from worker.settings import Settings
@@ -48,23 +49,11 @@ class KafkaHarness(Harness):
         await self.admin.close()
 
 
-@pytest.fixture(scope="module")
-def contract_tansu() -> Iterator[Tansu]:
-    broker = Tansu()
-    broker.start()
-    try:
-        yield broker
-    finally:
-        broker.stop()
-
-
 class TestKafkaContract(BrokerContract):
     @pytest.fixture
-    async def harness(self, contract_tansu: Tansu) -> AsyncIterator[Harness]:
+    async def harness(self, tansu: Tansu) -> AsyncIterator[Harness]:
         topic = unique("contract")
-        await create_topic(contract_tansu.bootstrap, topic, PARTITIONS)
-        harness = KafkaHarness(
-            contract_tansu.bootstrap, settings_for(contract_tansu.bootstrap, topic)
-        )
+        await create_topic(tansu.bootstrap, topic, PARTITIONS)
+        harness = KafkaHarness(tansu.bootstrap, settings_for(tansu.bootstrap, topic))
         yield harness
         await harness.close()

@@ -1,16 +1,18 @@
-"""The broker contract on the real RabbitMQ at 127.0.0.1:5672, in a throwaway vhost."""
+"""The broker contract on the real RabbitMQ at 127.0.0.1:5672, in the session's throwaway vhost.
+
+tests/rabbitmq/ relies on these tests for the plain wire checks: commit and
+duplicate acked (the queues empty), and poison (a body failing the schema, an
+unknown type) dead-lettered at once with the reason.
+"""
 
 from __future__ import annotations
 
-import os
-import shutil
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
 from tests.contract.base import BrokerContract, Harness
-from tests.rabbitmq.rabbit_helpers import HOST, PORT, REPO, all_depths, rabbitmqctl
+from tests.rabbitmq.rabbit_helpers import all_depths
 from worker.brokers import Broker, DeadLetterInfo, OutgoingMessage
 from worker.brokers.rabbitmq import RabbitMQAdmin, RabbitMQBroker, RabbitMQSettings, make_identity
 from worker.settings import Settings
@@ -44,37 +46,11 @@ class RabbitMQHarness(Harness):
         await self.admin.close()
 
 
-@pytest.fixture(scope="module")
-def contract_vhost(pytestconfig: pytest.Config) -> Iterator[str]:
-    root = pytestconfig.pluginmanager.get_plugin(str(REPO / "tests" / "conftest.py"))
-    assert root is not None, "tests/conftest.py is not loaded"
-    root.require_service(HOST, PORT, "RabbitMQ")
-    if shutil.which("rabbitmqctl") is None:
-        message = "rabbitmqctl is not on PATH: the contract tests cannot make a vhost"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    name = f"worker_contract_{uuid.uuid4().hex[:10]}"
-    rabbitmqctl("add_vhost", name)
-    try:
-        rabbitmqctl("set_permissions", "-p", name, "guest", ".*", ".*", ".*")
-        yield name
-    finally:
-        rabbitmqctl("delete_vhost", name)
-
-
 class TestRabbitMQContract(BrokerContract):
     @pytest.fixture
-    async def harness(self, contract_vhost: str) -> AsyncIterator[Harness]:
-        queue = f"c{uuid.uuid4().hex[:8]}"
-        settings = RabbitMQSettings(
-            url=f"amqp://guest:guest@{HOST}:{PORT}/{contract_vhost}",
-            queue=queue,
-            exchange=f"{queue}.in",
-            retry_delays=[0.2, 0.5],
-            reconnect_interval=0.3,
-            settle_timeout=5.0,
-        )
-        harness = RabbitMQHarness(settings)
+    async def harness(
+        self, rabbit_settings: Callable[..., RabbitMQSettings]
+    ) -> AsyncIterator[Harness]:
+        harness = RabbitMQHarness(rabbit_settings())
         yield harness
         await harness.close()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sqlite3
 import subprocess
 import sys
@@ -10,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.processes import clean_env, worker_cli
 from worker.logs import scrub
 
 
 def worker(
     *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 60
 ) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
     return subprocess.run(
-        [sys.executable, "-m", "worker.cli", *args],
-        env={**clean, **(env or {})},
+        worker_cli(*args),
+        env={**clean_env(), **(env or {})},
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -115,3 +114,31 @@ def test_database_password_never_reaches_the_log(tmp_path: Path) -> None:
 )
 def test_scrub_masks_secrets(text: str, expected: str) -> None:
     assert scrub(text) == expected
+
+
+@pytest.mark.parametrize("fmt", ["json", "console"])
+def test_a_secret_in_an_exception_is_scrubbed_in_every_format(fmt: str) -> None:
+    import io
+    import logging
+
+    import structlog
+
+    from worker import logs
+
+    buffer = io.StringIO()
+    real_stderr = sys.stderr
+    sys.stderr = buffer
+    try:
+        logs.configure("INFO", fmt)
+        try:
+            raise RuntimeError("refused: postgresql://app:hunter2@db.internal/prod")
+        except RuntimeError as exc:
+            logs.get_logger().warning("handler failed", exc_info=exc)
+            logging.getLogger("aiormq").exception("library says amqp://u:hunter2@h/")
+    finally:
+        sys.stderr = real_stderr
+        structlog.reset_defaults()
+        logging.getLogger().handlers.clear()
+    text = buffer.getvalue()
+    assert "RuntimeError" in text and "app:***@db.internal" in text
+    assert "hunter2" not in text

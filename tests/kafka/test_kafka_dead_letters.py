@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import sys
 from collections.abc import Awaitable, Callable
 from decimal import Decimal
 from pathlib import Path
@@ -14,18 +13,10 @@ from typing import Any
 import pytest
 
 from handlers.credit import CreditRequested, apply_credit
-from tests.kafka.kafka_helpers import (
-    REPO,
-    balances,
-    committed_is,
-    credit,
-    fetch,
-    header,
-    produce,
-    read_all,
-    wait_for,
-    worker_env,
-)
+from tests.kafka.kafka_helpers import committed_is, credit, header, produce, read_all, worker_env
+from tests.support.database import balances, fetch
+from tests.support.processes import arun_cli
+from tests.support.waiting import wait_for
 from worker.brokers.kafka import KafkaAdmin, KafkaBroker, KafkaSettings
 from worker.db import create_engine
 from worker.pump import Pump
@@ -45,16 +36,6 @@ def registry() -> Registry:
         await apply_credit(ctx, message)
 
     return reg
-
-
-async def cli(env: dict[str, str], *args: str) -> tuple[int, str, str]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "worker.cli", *args, env=env, cwd=REPO,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, err = await asyncio.wait_for(process.communicate(), 60)
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
 
 
 async def test_poison_and_exhausted_records_reach_the_dead_letter_topic(
@@ -123,13 +104,13 @@ async def test_poison_and_exhausted_records_reach_the_dead_letter_topic(
 
     # `worker dlq` lists them; `worker dlq --resubmit` moves them back, ids intact
     env = worker_env(kafka, url)
-    code, out, err = await cli(env, "dlq")
-    assert code == 0, err
-    listed = [json.loads(line) for line in out.splitlines()]
+    listing = await arun_cli(env, "dlq")
+    assert listing.returncode == 0, listing.stderr
+    listed = [json.loads(line) for line in listing.stdout.splitlines()]
     assert sorted(item["id"] or "-" for item in listed) == ["-", "m1", "m2", "m4"]
     assert all(item["reason"] for item in listed)
-    code, _, err = await cli(env, "dlq", "--resubmit")
-    assert code == 0 and "re-submitted 4" in err, err
+    moved = await arun_cli(env, "dlq", "--resubmit")
+    assert moved.returncode == 0 and "re-submitted 4" in moved.stderr, moved.stderr
     assert await KafkaAdmin(kafka).dead_letters(100) == []
     again, _ = await read_all(bootstrap, topic, 1)
     back = again[7:]

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 from aiokafka.errors import KafkaConnectionError  # type: ignore[import-untyped]
 
-from tests.kafka.kafka_helpers import committed, committed_is, produce, wait_for
+from tests.kafka.kafka_helpers import committed, committed_is, produce
+from tests.support.waiting import wait_for
 from worker.brokers.kafka import KafkaBroker, KafkaSettings
 from worker.delivery import Delivery
 from worker.errors import BrokerUnavailable, SettlementLost

@@ -9,7 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.kafka.kafka_helpers import Tansu, create_topic, produce, settings_for, wait_for
+from tests.kafka.kafka_helpers import create_topic, produce, settings_for
+from tests.support.tansu import Tansu, running_tansu
+from tests.support.waiting import wait_for
 from worker.brokers.kafka import KafkaBroker
 from worker.settings import Settings
 
@@ -19,12 +21,8 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 @pytest.fixture
 def own_tansu() -> Iterator[Tansu]:
     """A broker of this test's own: it gets killed and restarted on the same port."""
-    broker = Tansu()
-    broker.start()
-    try:
+    with running_tansu() as broker:
         yield broker
-    finally:
-        broker.stop()
 
 
 async def test_broker_loss_drops_readiness_and_consumption_resumes(own_tansu: Tansu) -> None:

@@ -11,8 +11,6 @@ import asyncio
 import json
 import random
 import signal
-import subprocess
-import sys
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from decimal import Decimal
@@ -22,25 +20,24 @@ from typing import Any
 import pytest
 
 from tests.kafka.kafka_helpers import (
-    REPO,
+    KafkaWorker,
     Record,
-    WorkerProcess,
-    balances,
     committed,
     credit,
     lag,
     produce,
-    scalar,
     stats,
     topic_records,
-    wait_for,
     worker_env,
 )
+from tests.support.database import balances, scalar
+from tests.support.processes import WorkerProcess, arun_cli
+from tests.support.waiting import wait_for
 from worker.brokers.kafka import KafkaSettings
 
 pytestmark = [pytest.mark.kafka, pytest.mark.postgres]
 
-Spawn = Callable[[dict[str, str], str], WorkerProcess]
+Spawn = Callable[[dict[str, str], str], KafkaWorker]
 
 
 class Stream:
@@ -120,11 +117,7 @@ async def test_sigkill_between_database_commit_and_offset_commit(
     bootstrap = kafka.bootstrap_servers
     source = tmp_path / "credits.jsonl"
     source.write_text(stream.lines(0, 40))
-    published = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "worker.cli", "publish", str(source)],
-        env=worker_env(kafka, url), cwd=REPO, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    published = await arun_cli(worker_env(kafka, url), "publish", str(source))
     assert published.returncode == 0 and "published 40 messages" in published.stderr
 
     # The first worker never reaches an offset commit: every record is committed

@@ -11,16 +11,16 @@ import functools
 import importlib
 import inspect
 import json
-import os
 import shutil
 import subprocess
 import sysconfig
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 from pydantic_settings import BaseSettings
+
+from tests.support.services import unavailable
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -39,10 +39,7 @@ def tool(name: str) -> str:
         return str(beside)
     found = shutil.which(name)
     if found is None:
-        message = f"{name} is not installed (pip install -e '.[test]')"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        unavailable(f"{name} is not installed (pip install -e '.[test]')")
     return found
 
 

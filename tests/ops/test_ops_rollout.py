@@ -11,37 +11,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
-import uuid
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import text
 
+from tests.support.processes import REPO, clean_env, free_port, json_lines, run_cli, worker_cli
+from tests.support.rabbitmq import guest_url, rabbitmqctl
 from worker.db import create_engine
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 CONCURRENCY = 4
 HANDLER_SECONDS = 2.0
 GRACE_PERIOD = 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def probe(port: int, path: str) -> tuple[int, dict[str, Any]] | None:
@@ -78,16 +64,6 @@ def markers(database_url: str) -> int:
     return asyncio.run(count())
 
 
-def events(stderr: str) -> list[dict[str, Any]]:
-    found = []
-    for line in stderr.splitlines():
-        try:
-            found.append(json.loads(line))
-        except ValueError:
-            continue
-    return found
-
-
 @pytest.fixture
 def database(postgres_only_url: str) -> str:
     """PostgreSQL: on SQLite the single writer lock would run slow transactions one by one."""
@@ -95,7 +71,7 @@ def database(postgres_only_url: str) -> str:
 
 
 def worker_env(database: str, port: int, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WORKER_", "ROLLOUT_"))}
+    env = clean_env("ROLLOUT_")
     env.update(
         PYTHONPATH=str(REPO),
         WORKER_DATABASE_URL=database,
@@ -114,7 +90,7 @@ def worker_env(database: str, port: int, **extra: str) -> dict[str, str]:
 def roll(database: str, env: dict[str, str], port: int) -> dict[str, Any]:
     """Start the worker, SIGTERM it while CONCURRENCY deliveries are in flight, watch it go."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "worker.cli", "run"],
+        worker_cli("run"),
         env=env,
         cwd=REPO,
         stdout=subprocess.DEVNULL,
@@ -150,7 +126,7 @@ def roll(database: str, env: dict[str, str], port: int) -> dict[str, Any]:
             "readiness": readiness,
             "committed_before": committed_before,
             "committed": markers(database),
-            "events": events(stderr),
+            "events": json_lines(stderr),
             "stderr": stderr,
         }
     finally:
@@ -194,39 +170,17 @@ def test_sigterm_with_the_memory_broker(database: str) -> None:
 # -- the same against RabbitMQ -------------------------------------------------
 
 
-def rabbitmqctl(*args: str) -> None:
-    subprocess.run(["rabbitmqctl", *args], check=True, capture_output=True, timeout=60)
-
-
-@pytest.fixture
-def vhost(request: pytest.FixtureRequest) -> Iterator[str]:
-    """A throwaway vhost: deleting it removes every queue the worker declared."""
-    root = request.config.pluginmanager.get_plugin(str(REPO / "tests" / "conftest.py"))
-    assert root is not None
-    root.require_service("127.0.0.1", 5672, "RabbitMQ")  # skips locally, fails under CI
-    if shutil.which("rabbitmqctl") is None:
-        if os.environ.get("CI"):
-            pytest.fail("rabbitmqctl is not on PATH")
-        pytest.skip("rabbitmqctl is not on PATH")
-    name = f"worker_ops_{uuid.uuid4().hex[:10]}"
-    rabbitmqctl("add_vhost", name)
-    try:
-        rabbitmqctl("set_permissions", "-p", name, "guest", ".*", ".*", ".*")
-        yield name
-    finally:
-        rabbitmqctl("delete_vhost", name)
-
-
 @pytest.mark.slow
 @pytest.mark.rabbitmq
-def test_sigterm_with_rabbitmq(database: str, vhost: str) -> None:
+def test_sigterm_with_rabbitmq(database: str, rabbitmq_vhost: str) -> None:
+    """In the session's throwaway vhost (tests/conftest.py), deleted with its queues at the end."""
     port = free_port()
     queue = "rollout"
     env = worker_env(
         database,
         port,
         WORKER_BROKER="rabbitmq",
-        WORKER_RABBITMQ_URL=f"amqp://guest:guest@127.0.0.1:5672/{vhost}",
+        WORKER_RABBITMQ_URL=guest_url(rabbitmq_vhost),
         WORKER_RABBITMQ_QUEUE=queue,
         WORKER_RABBITMQ_EXCHANGE=f"{queue}.in",
     )
@@ -236,15 +190,7 @@ def test_sigterm_with_rabbitmq(database: str, vhost: str) -> None:
         + "\n"
         for n in range(total)
     )
-    published = subprocess.run(
-        [sys.executable, "-m", "worker.cli", "publish", "-"],
-        input=lines,
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    published = run_cli(env, "publish", "-", stdin=lines)
     assert published.returncode == 0, published.stderr
 
     stopped = assert_graceful(roll(database, env, port))
@@ -253,28 +199,14 @@ def test_sigterm_with_rabbitmq(database: str, vhost: str) -> None:
     # nothing was lost: what was not processed is still queued, ready for the next pod
     # (a quorum queue's counters trail its acks by a moment: poll, bounded)
     deadline = time.monotonic() + 15
-    while (depth := queue_depth(vhost, queue)) != total - CONCURRENCY:
+    while (depth := queue_depth(rabbitmq_vhost, queue)) != total - CONCURRENCY:
         assert time.monotonic() < deadline, f"{depth} messages queued, not {total - CONCURRENCY}"
         time.sleep(0.25)
 
 
 def queue_depth(vhost: str, queue: str) -> int:
-    listing = subprocess.run(
-        [
-            "rabbitmqctl",
-            "-q",
-            "list_queues",
-            "-p",
-            vhost,
-            "name",
-            "messages",
-            "--formatter",
-            "json",
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=60,
+    listing = rabbitmqctl(
+        "-q", "list_queues", "-p", vhost, "name", "messages", "--formatter", "json"
     )
-    depths = {row["name"]: row["messages"] for row in json.loads(listing.stdout)}
+    depths = {row["name"]: row["messages"] for row in json.loads(listing)}
     return int(depths[queue])

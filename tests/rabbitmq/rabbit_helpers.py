@@ -1,52 +1,31 @@
-"""Helpers for the RabbitMQ tests: the server's control, queue depths, subprocess workers."""
+"""Helpers for the RabbitMQ tests: messages, queue depths, in-process pumps, worker environments.
+
+The server's control, waiting, queries and worker processes are shared: tests/support/.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from decimal import Decimal
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import aio_pika
-import pytest
 from aio_pika.abc import AbstractIncomingMessage
-from sqlalchemy import text
 
 from handlers.credit import CreditRequested, apply_credit
+from tests.support.processes import REPO, clean_env
+from tests.support.rabbitmq import rabbitmqctl
+from tests.support.waiting import wait_for
 from worker.brokers import OutgoingMessage
 from worker.brokers.rabbitmq import RabbitMQAdmin, RabbitMQBroker, RabbitMQSettings, make_identity
 from worker.db import create_engine
 from worker.pump import Pump
 from worker.registry import Context, Registry
 from worker.settings import Settings
-
-HOST, PORT = "127.0.0.1", 5672
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-
-
-def rabbitmqctl(*args: str, timeout: float = 60) -> str:
-    """Run ``rabbitmqctl`` (bounded); the tests control the local server through it."""
-    result = subprocess.run(
-        ["rabbitmqctl", *args], capture_output=True, text=True, timeout=timeout, check=False
-    )
-    if result.returncode != 0:
-        raise RuntimeError(f"rabbitmqctl {' '.join(args)}: {result.stderr.strip()}")
-    return result.stdout
-
-
-async def arabbitmqctl(*args: str) -> str:
-    """:func:`rabbitmqctl` without blocking the event loop (a pump keeps running meanwhile)."""
-    return await asyncio.to_thread(rabbitmqctl, *args)
-
 
 # -- messages --------------------------------------------------------------------
 
@@ -130,53 +109,6 @@ async def take_dead_letters(settings: RabbitMQSettings) -> list[AbstractIncoming
     return letters
 
 
-# -- waiting and the database ------------------------------------------------------
-
-
-async def wait_for(
-    predicate: Callable[[], Any], seconds: float, what: str, step: float = 0.05
-) -> None:
-    """Poll an (async or plain) predicate until true, or fail after ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while True:
-        value = predicate()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {seconds}s waiting for {what}")
-        await asyncio.sleep(step)
-
-
-async def scalar(database_url: str, sql: str) -> Any:
-    engine = create_engine(database_url, pool_size=1)
-    try:
-        async with engine.connect() as connection:
-            return (await connection.execute(text(sql))).scalar()
-    finally:
-        await engine.dispose()
-
-
-async def fetch(database_url: str, sql: str) -> list[Any]:
-    engine = create_engine(database_url, pool_size=1)
-    try:
-        async with engine.connect() as connection:
-            return list(await connection.execute(text(sql)))
-    finally:
-        await engine.dispose()
-
-
-async def execute(database_url: str, *statements: str) -> None:
-    engine = create_engine(database_url, pool_size=1)
-    try:
-        async with engine.begin() as connection:
-            for sql in statements:
-                await connection.execute(text(sql))
-    finally:
-        await engine.dispose()
-
-
 # -- in-process pumps ----------------------------------------------------------------
 
 
@@ -232,7 +164,7 @@ async def running(
 
 def rabbit_env(settings: RabbitMQSettings, database_url: str, **extra: str) -> dict[str, str]:
     """The environment of a ``python -m worker.cli`` subprocess using ``settings``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    env = clean_env()
     env.update(
         WORKER_BROKER="rabbitmq",
         WORKER_DATABASE_URL=database_url,
@@ -247,53 +179,3 @@ def rabbit_env(settings: RabbitMQSettings, database_url: str, **extra: str) -> d
     )
     env.update(extra)
     return env
-
-
-def worker_cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "worker.cli", *args]
-
-
-class WorkerProcess:
-    """One ``worker run`` OS process, its log in a file of its own."""
-
-    def __init__(self, env: dict[str, str], log_path: Path) -> None:
-        self.log_path = log_path
-        self._log: IO[bytes] = log_path.open("wb")
-        self.process = subprocess.Popen(
-            worker_cli("run"), env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT
-        )
-
-    def log_lines(self) -> list[dict[str, Any]]:
-        """The JSON log lines (aio-pika's own plain-text warnings are skipped)."""
-        lines = []
-        for raw in self.log_path.read_text(errors="replace").splitlines():
-            if raw.startswith("{"):
-                try:
-                    lines.append(json.loads(raw))
-                except ValueError:
-                    continue
-        return lines
-
-    def logged(self, event: str) -> bool:
-        return any(line.get("event") == event for line in self.log_lines())
-
-    def signal(self, sig: signal.Signals) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.process.wait(timeout)
-        finally:
-            self._log.close()
-
-    def kill(self) -> None:
-        """Cleanup: SIGKILL this process (only this one, by its PID) if still running."""
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(10)
-        self._log.close()
-
-
-def events(workers: Iterable[WorkerProcess], event: str) -> list[dict[str, Any]]:
-    return [line for w in workers for line in w.log_lines() if line.get("event") == event]

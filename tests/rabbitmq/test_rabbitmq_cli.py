@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import subprocess
 import uuid
 from decimal import Decimal
 from pathlib import Path
@@ -14,37 +13,14 @@ from typing import Any
 import aio_pika
 import pytest
 
-from tests.rabbitmq.rabbit_helpers import (
-    REPO,
-    WorkerProcess,
-    all_depths,
-    arabbitmqctl,
-    credit_registry,
-    depths,
-    fetch,
-    rabbit_env,
-    running,
-    wait_for,
-    worker_cli,
-)
+from tests.rabbitmq.rabbit_helpers import all_depths, credit_registry, depths, rabbit_env, running
+from tests.support.database import fetch
+from tests.support.processes import WorkerProcess, arun_cli
+from tests.support.rabbitmq import arabbitmqctl
+from tests.support.waiting import wait_for
 from worker.brokers.rabbitmq import REASON_HEADER, RabbitMQSettings
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.postgres]
-
-
-def cli(
-    env: dict[str, str], *args: str, stdin: str | None = None
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        worker_cli(*args), env=env, cwd=REPO, input=stdin, capture_output=True, text=True,
-        timeout=60, check=False,
-    )  # fmt: skip
-
-
-async def acli(
-    env: dict[str, str], *args: str, stdin: str | None = None
-) -> subprocess.CompletedProcess[str]:
-    return await asyncio.to_thread(cli, env, *args, stdin=stdin)
 
 
 async def test_publish_then_dlq_list_and_resubmit(
@@ -59,7 +35,7 @@ async def test_publish_then_dlq_list_and_resubmit(
     ]
     source = tmp_path / "messages.jsonl"
     source.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
-    published = await acli(env, "publish", str(source))
+    published = await arun_cli(env, "publish", str(source))
     assert published.returncode == 0, published.stderr
     assert "published 3 messages" in published.stderr
 
@@ -68,7 +44,7 @@ async def test_publish_then_dlq_list_and_resubmit(
         await wait_for(lambda: pump.stats["ack"] + pump.stats["dead-letter"] == 3, 10, "3 settled")
     assert (pump.stats["ack"], pump.stats["dead-letter"]) == (1, 2)
 
-    listed = await acli(env, "dlq")
+    listed = await arun_cli(env, "dlq")
     assert listed.returncode == 0, listed.stderr
     letters = {item["id"]: item for item in map(json.loads, listed.stdout.splitlines())}
     assert set(letters) == {"u1", "b1"}
@@ -88,7 +64,7 @@ async def test_publish_then_dlq_list_and_resubmit(
         )  # fmt: skip
         await dlx.publish(copy, routing_key="")
 
-    moved = await acli(env, "dlq", "--resubmit")
+    moved = await arun_cli(env, "dlq", "--resubmit")
     assert moved.returncode == 0, moved.stderr
     assert "re-submitted 3 dead letters" in moved.stderr
     async with running(rabbit, pg, registry) as pump:
@@ -105,7 +81,7 @@ async def test_publish_rejects_a_bad_line_before_sending_anything(
 ) -> None:
     rabbit: RabbitMQSettings = rabbit_settings()
     good = json.dumps({"id": "1", "type": "CreditRequested", "body": {}})
-    result = await acli(rabbit_env(rabbit, pg), "publish", "-", stdin=f"{good}\n{{broken\n")
+    result = await arun_cli(rabbit_env(rabbit, pg), "publish", "-", stdin=f"{good}\n{{broken\n")
     assert result.returncode == 2 and "line 2" in result.stderr
 
 
@@ -134,7 +110,7 @@ async def test_the_password_never_reaches_a_log(
             good.url.replace(":5672/", ":1/"),  # nothing listens
         ]
         for url in failures:
-            result = await acli({**env, "WORKER_RABBITMQ_URL": url}, "run")
+            result = await arun_cli({**env, "WORKER_RABBITMQ_URL": url}, "run")
             assert result.returncode == 1, result.stderr
             assert "broker unavailable" in result.stderr
             output += result.stdout + result.stderr
@@ -147,6 +123,6 @@ async def test_bad_rabbitmq_setting_stops_the_worker_with_one_line(
     rabbit_settings: Any, pg: str
 ) -> None:
     env = rabbit_env(rabbit_settings(), pg, WORKER_RABBITMQ_QUEUE_TYPE="stream")
-    result = await acli(env, "run")
+    result = await arun_cli(env, "run")
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "WORKER_RABBITMQ_QUEUE_TYPE" in result.stderr

@@ -21,22 +21,19 @@ import pytest
 
 from tests.rabbitmq.naive_handlers import NAIVE_TABLES
 from tests.rabbitmq.rabbit_helpers import (
-    WorkerProcess,
     all_depths,
-    arabbitmqctl,
     credit,
     credit_registry,
-    events,
-    execute,
-    fetch,
     publish,
     rabbit_env,
     running,
-    scalar,
     take_dead_letters,
     unsettled,
-    wait_for,
 )
+from tests.support.database import balances, execute, fetch, scalar
+from tests.support.processes import WorkerProcess, events
+from tests.support.rabbitmq import arabbitmqctl
+from tests.support.waiting import wait_for
 from worker.brokers import OutgoingMessage
 from worker.brokers.rabbitmq import RabbitMQSettings
 from worker.registry import Context
@@ -163,10 +160,6 @@ def _drained(
     return check
 
 
-async def account_balances(database_url: str, table: str) -> dict[str, Decimal]:
-    return {r.id: r.balance for r in await fetch(database_url, f"SELECT id, balance FROM {table}")}
-
-
 @pytest.mark.slow
 async def test_three_workers_kills_and_duplicates_come_out_exact(
     rabbit_settings: Any, rabbitmq_vhost: str, pg: str, tmp_path: Path
@@ -177,7 +170,7 @@ async def test_three_workers_kills_and_duplicates_come_out_exact(
         rabbit, rabbitmq_vhost, pg, tmp_path, "handlers", "SELECT count(*) FROM inbox", stream
     )
     assert len(run.events) == 3 and all(code == 0 for code in run.exit_codes.values()), run
-    assert await account_balances(pg, "accounts") == expected
+    assert await balances(pg) == expected
     assert await scalar(pg, "SELECT count(*) FROM inbox") == UNIQUE
     assert await scalar(pg, "SELECT count(DISTINCT message_id) FROM inbox") == UNIQUE
     assert set((await all_depths(rabbit)).values()) == {0}
@@ -216,7 +209,7 @@ async def test_the_naive_handler_fails_the_same_scenario(
         rabbit, rabbitmq_vhost, pg, tmp_path, "tests.rabbitmq.naive_handlers",
         "SELECT count(DISTINCT message_id) FROM naive_inbox", stream,
     )  # fmt: skip
-    actual = await account_balances(pg, "naive_accounts")
+    actual = await balances(pg, "naive_accounts")
     markers = await scalar(pg, "SELECT count(*) FROM naive_inbox")
     print(
         f"\nnaive: expected total {sum(expected.values())}, actual {sum(actual.values())}, "
@@ -265,7 +258,7 @@ async def test_a_rabbitmq_restart_loses_nothing(
         await wait_for(_settled(rabbitmq_vhost, rabbit), 30, "every message acked")
     assert readiness == [False, False]
     assert await scalar(pg, "SELECT count(*) FROM inbox") == total
-    assert set((await account_balances(pg, "accounts")).values()) == {Decimal(total // ACCOUNTS)}
+    assert set((await balances(pg)).values()) == {Decimal(total // ACCOUNTS)}
     assert set((await all_depths(rabbit)).values()) == {0}
     print(
         f"\nrestart: outage {outage:.1f}s, committed before start_app {done_while_down}, "

@@ -15,6 +15,7 @@ import tomllib
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import azure.servicebus
 import pytest
@@ -71,6 +72,15 @@ async def receive_one(receiver: FakeReceiver, wait: float = 1.0) -> ServiceBusRe
 async def opened(client: FakeClient, queue: str, **kwargs: object) -> FakeReceiver:
     receiver = client.get_queue_receiver(queue, **kwargs)
     return await receiver.__aenter__()
+
+
+async def one_message(
+    bus: FakeServiceBus, client: FakeClient, **options: Any
+) -> tuple[Entity, FakeReceiver]:
+    """Queue "work" (created with ``options``) holding one message "m", a receiver open on it."""
+    entity = bus.create_queue("work", **options)
+    await send(client, "work", ServiceBusMessage(b"x", message_id="m"))
+    return entity, await opened(client, "work")
 
 
 # -- the SDK pieces the fake stands on ---------------------------------------------
@@ -188,9 +198,7 @@ async def real_receiver() -> AsyncIterator[ServiceBusReceiver]:
 async def test_settled_twice_raises_like_the_sdk(
     bus: FakeServiceBus, client: FakeClient, real_receiver: ServiceBusReceiver
 ) -> None:
-    bus.create_queue("work")
-    await send(client, "work", ServiceBusMessage(b"x", message_id="m"))
-    receiver = await opened(client, "work")
+    _, receiver = await one_message(bus, client)
     message = await receive_one(receiver)
     await receiver.complete_message(message)
 
@@ -205,9 +213,7 @@ async def test_settled_twice_raises_like_the_sdk(
 async def test_an_expired_lock_raises_like_the_sdk(
     bus: FakeServiceBus, client: FakeClient, real_receiver: ServiceBusReceiver
 ) -> None:
-    bus.create_queue("work", lock_duration=0.2)
-    await send(client, "work", ServiceBusMessage(b"x", message_id="m"))
-    receiver = await opened(client, "work")
+    _, receiver = await one_message(bus, client, lock_duration=0.2)
     message = await receive_one(receiver)
     await asyncio.sleep(0.3)
 
@@ -224,9 +230,7 @@ async def test_an_expired_lock_raises_like_the_sdk(
 async def test_a_closed_receiver_raises_value_error_like_the_sdk(
     bus: FakeServiceBus, client: FakeClient, real_receiver: ServiceBusReceiver
 ) -> None:
-    bus.create_queue("work")
-    await send(client, "work", ServiceBusMessage(b"x", message_id="m"))
-    receiver = await opened(client, "work")
+    _, receiver = await one_message(bus, client)
     message = await receive_one(receiver)
     await receiver.close()
     await real_receiver.close()
@@ -243,9 +247,7 @@ async def test_a_closed_receiver_raises_value_error_like_the_sdk(
 async def test_lock_expiry_offers_the_message_again_and_kills_the_old_token(
     bus: FakeServiceBus, client: FakeClient
 ) -> None:
-    entity = bus.create_queue("work", lock_duration=0.2)
-    await send(client, "work", ServiceBusMessage(b"x", message_id="m"))
-    receiver = await opened(client, "work")
+    entity, receiver = await one_message(bus, client, lock_duration=0.2)
     first = await receive_one(receiver)
     second = await receive_one(receiver, wait=2.0)  # comes back once the lock runs out
 
@@ -260,9 +262,7 @@ async def test_lock_expiry_offers_the_message_again_and_kills_the_old_token(
 
 
 async def test_abandon_offers_it_again_at_once(bus: FakeServiceBus, client: FakeClient) -> None:
-    bus.create_queue("work")
-    await send(client, "work", ServiceBusMessage(b"x", message_id="m"))
-    receiver = await opened(client, "work")
+    _, receiver = await one_message(bus, client)
     await receiver.abandon_message(await receive_one(receiver))
 
     started = time.monotonic()
@@ -274,9 +274,7 @@ async def test_abandon_offers_it_again_at_once(bus: FakeServiceBus, client: Fake
 async def test_max_delivery_count_moves_it_to_the_dead_letter_sub_queue(
     bus: FakeServiceBus, client: FakeClient
 ) -> None:
-    entity = bus.create_queue("work", max_delivery_count=2)
-    await send(client, "work", ServiceBusMessage(b"x", message_id="m"))
-    receiver = await opened(client, "work")
+    entity, receiver = await one_message(bus, client, max_delivery_count=2)
     await receiver.abandon_message(await receive_one(receiver))
     await receiver.abandon_message(await receive_one(receiver))
 
@@ -295,9 +293,7 @@ async def test_max_delivery_count_moves_it_to_the_dead_letter_sub_queue(
 async def test_dead_letter_message_keeps_reason_and_description(
     bus: FakeServiceBus, client: FakeClient
 ) -> None:
-    bus.create_queue("work")
-    await send(client, "work", ServiceBusMessage(b"x", message_id="m"))
-    receiver = await opened(client, "work")
+    _, receiver = await one_message(bus, client)
     message = await receive_one(receiver)
     await receiver.dead_letter_message(message, reason="poison", error_description="bad body")
 
@@ -315,9 +311,7 @@ async def test_dead_letter_message_keeps_reason_and_description(
 async def test_renew_returns_the_new_expiry_and_moves_locked_until(
     bus: FakeServiceBus, client: FakeClient
 ) -> None:
-    entity = bus.create_queue("work", lock_duration=0.5)
-    await send(client, "work", ServiceBusMessage(b"x", message_id="m"))
-    receiver = await opened(client, "work")
+    entity, receiver = await one_message(bus, client, lock_duration=0.5)
     message = await receive_one(receiver)
     first = message.locked_until_utc
     assert first is not None
@@ -335,9 +329,7 @@ async def test_the_sdk_auto_lock_renewer_runs_against_the_fake(
 ) -> None:
     # The renewer checks once a second and renews when 0.75 x the lock's whole seconds
     # remain: 4 s is about the shortest lock it keeps reliably.
-    entity = bus.create_queue("work", lock_duration=4.0)
-    await send(client, "work", ServiceBusMessage(b"x", message_id="m"))
-    receiver = await opened(client, "work")
+    entity, receiver = await one_message(bus, client, lock_duration=4.0)
     message = await receive_one(receiver)
     failures: list[object] = []
 
@@ -371,9 +363,7 @@ async def test_receive_honours_the_wait_and_the_count(
 
 
 async def test_faults_and_a_severed_client(bus: FakeServiceBus, client: FakeClient) -> None:
-    entity = bus.create_queue("work", lock_duration=0.3)
-    await send(client, "work", ServiceBusMessage(b"x", message_id="m"))
-    receiver = await opened(client, "work")
+    entity, receiver = await one_message(bus, client, lock_duration=0.3)
     bus.fail("receive")
     with pytest.raises(ServiceBusConnectionError):
         await receiver.receive_messages(1, max_wait_time=0.1)

@@ -1,0 +1,345 @@
+"""How a side-effect claim ends: one finish commits, a hopeless claim is abandoned (rule 8).
+
+- A replica whose lease ran out mid-call and whose "finished" mark then finds
+  the claim finished by the replica that took it over must roll its own writes
+  back: they record the same call, which the winner already recorded.
+- A claim whose message was dead-lettered (``Poison``, or a failure on the last
+  allowed delivery), and a stale claim whose attempts reached
+  ``WORKER_MAX_DELIVERIES``, is abandoned: the sweeper never calls for it again.
+  A new delivery of the message (a re-submitted dead letter) still takes it over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+from sqlalchemy import insert, text
+from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from tests.concurrency.concurrency_helpers import INBOX, inbox_rows
+from worker import claims, retention
+from worker.brokers.memory import MemoryBroker
+from worker.claims import ClaimContext, side_effect
+from worker.db import create_engine, session_factory
+from worker.errors import Poison
+from worker.logs import get_logger
+from worker.registry import Handler, Registry
+
+LOG = get_logger(test="claim-endings")
+
+
+class Pay(BaseModel):
+    amount: int
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Wallet(Base):
+    __tablename__ = "claim_wallet"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    paid: Mapped[int]
+
+
+@dataclass
+class FakeDelivery:
+    """The parts of a Delivery that :func:`claims.process` reads."""
+
+    delivery_count: int
+    message_id: str = "m1"
+    type: str = "Pay"
+    body: bytes = b'{"amount": 10}'
+    headers: dict[str, Any] = field(default_factory=dict)
+
+
+def pay_registry(calls: Counter[str], act: Any) -> tuple[Registry, Handler[Any]]:
+    """A "Pay" side-effect handler counting its provider calls per key, then doing ``act``."""
+    registry = Registry()
+
+    @side_effect("Pay", Pay, consumer="pay", registry=registry)
+    async def pay(ctx: ClaimContext, message: Pay) -> str | None:
+        calls[ctx.idempotency_key] += 1
+        return await act(ctx, message)  # type: ignore[no-any-return]
+
+    return registry, next(iter(registry))
+
+
+async def add_claim(
+    engine: AsyncEngine,
+    message_id: str,
+    *,
+    state: str = "claimed",
+    attempts: int = 1,
+    age: timedelta = timedelta(0),
+    outcome: str | None = None,
+) -> None:
+    """A "Pay" claim: claimed with a lease that ran out ``age`` ago, or abandoned ``age`` ago."""
+    now = datetime.now(UTC)
+    values: dict[str, Any] = {
+        "message_id": message_id,
+        "consumer": "pay",
+        "received_at": now - age,
+        "state": state,
+        "attempts": attempts,
+        "outcome": outcome,
+        "claimed_by": "someone-else",
+        "message_type": "Pay",
+        "body": b'{"amount": 10}',
+        "processed_at": None,
+    }
+    if state == "claimed":
+        values["lease_until"] = now - age
+    else:
+        values["processed_at"] = now - age
+    async with engine.begin() as connection:
+        await connection.execute(insert(INBOX).values(values))
+
+
+# -- defect: a lost claim committed its writes ------------------------------------------------
+
+
+async def test_a_replica_that_lost_its_claim_commits_none_of_its_writes(
+    engine: AsyncEngine, make_settings: Any
+) -> None:
+    async with engine.begin() as connection:
+        await connection.execute(text("CREATE TABLE claim_ledger (owner VARCHAR(200) NOT NULL)"))
+
+    async def record(ctx: ClaimContext, message: Pay) -> str:
+        # the call happened (same key both times); the write is sent at once, before the mark
+        await ctx.session.execute(
+            text("INSERT INTO claim_ledger (owner) VALUES (:o)"), {"o": ctx.claim.owner}
+        )
+        return "paid"
+
+    calls: Counter[str] = Counter()
+    _, handler = pay_registry(calls, record)
+    settings = make_settings(claim_lease=5, claim_call_timeout=4)
+    sessions = session_factory(engine)
+    slow = await claims.acquire(sessions, "m1", "pay", lease=0.2)  # replica A, still busy
+    assert isinstance(slow, claims.Claim)
+    await asyncio.sleep(0.4)  # A's lease runs out
+    fast = await claims.acquire(sessions, "m1", "pay", lease=5)  # the redelivery, replica B
+    assert isinstance(fast, claims.Claim) and fast.taken_over
+
+    async def finish(claim: claims.Claim, delivery_count: int) -> claims.Outcome:
+        return await claims.run(
+            sessions,
+            handler,
+            Pay(amount=10),
+            claim,
+            settings,
+            LOG,
+            message_id="m1",
+            delivery_count=delivery_count,
+            headers={},
+        )
+
+    won = await finish(fast, 2)
+    lost = await finish(slow, 1)  # A's call returns only now; B finished first
+    async with engine.connect() as connection:
+        ledger = list((await connection.execute(text("SELECT owner FROM claim_ledger"))).scalars())
+    [row] = await inbox_rows(engine)
+    assert ledger == [fast.owner]  # B's write only: A's was rolled back
+    assert (won.verb, won.outcome) == ("ack", "committed")
+    assert (lost.verb, lost.outcome) == ("ack", "duplicate")
+    assert lost.reason is not None and "rolled back" in lost.reason
+    assert (row.state, row.attempts, row.claimed_by, row.outcome) == (
+        "finished",
+        2,
+        fast.owner,
+        "paid",
+    )
+    assert calls == Counter({"m1": 2})
+
+
+async def test_the_mark_goes_before_the_handlers_writes_on_postgresql(
+    postgres_only_url: str, make_settings: Any
+) -> None:
+    """A's finish waits on a business-row lock until its lease is over and B has taken over.
+
+    The mark is written first (no autoflush), so it holds the claim's row and B's
+    takeover waits for it; had A's write been flushed first, B would take over,
+    and both writes would commit (paid = 20).
+    """
+    engine = create_engine(postgres_only_url)
+    blocker = None
+    try:
+        async with engine.begin() as connection:
+            await connection.execute(
+                text("CREATE TABLE claim_wallet (id int PRIMARY KEY, paid int NOT NULL)")
+            )
+            await connection.execute(text("INSERT INTO claim_wallet VALUES (1, 0)"))
+
+        async def credit(ctx: ClaimContext, message: Pay) -> str:
+            await asyncio.sleep(0.1)  # the provider call
+            wallet = await ctx.session.get_one(Wallet, 1)
+            wallet.paid = Wallet.paid + message.amount  # pending: flushed with the mark
+            return "paid"
+
+        calls: Counter[str] = Counter()
+        _, handler = pay_registry(calls, credit)
+        settings = make_settings(
+            database_url=postgres_only_url, claim_lease=1.0, claim_call_timeout=0.9
+        )
+        sessions = session_factory(engine)
+        blocker = await engine.connect()  # another transaction holds the wallet row
+        await blocker.execute(text("UPDATE claim_wallet SET paid = paid WHERE id = 1"))
+        first = asyncio.create_task(
+            claims.process(sessions, handler, Pay(amount=10), FakeDelivery(1), settings, LOG)  # type: ignore[arg-type]
+        )
+        await asyncio.sleep(1.2)  # A's lease ran out while its write waited
+        second = asyncio.create_task(
+            claims.process(sessions, handler, Pay(amount=10), FakeDelivery(2), settings, LOG)  # type: ignore[arg-type]
+        )
+        await asyncio.sleep(0.3)
+        await blocker.rollback()
+        outcomes = await asyncio.wait_for(asyncio.gather(first, second), 10)
+        async with engine.connect() as connection:
+            paid = await connection.scalar(text("SELECT paid FROM claim_wallet WHERE id = 1"))
+        [row] = await inbox_rows(engine)
+    finally:
+        if blocker is not None:
+            await blocker.close()
+        await engine.dispose()
+    assert paid == 10
+    assert row.state == "finished"
+    assert sorted(o.outcome for o in outcomes) == ["committed", "duplicate"]
+    assert all(o.verb == "ack" for o in outcomes)
+
+
+# -- defect: a poison or exhausted claim was re-driven forever ----------------------------------
+
+
+async def test_a_poison_claim_is_abandoned_and_never_redriven(
+    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+) -> None:
+    async def decline(ctx: ClaimContext, message: Pay) -> str:
+        raise Poison("provider: HTTP 422 card declined")
+
+    calls: Counter[str] = Counter()
+    registry, _ = pay_registry(calls, decline)
+    settings = make_settings(claim_lease=5, claim_call_timeout=4, purge_interval=0)
+    broker = MemoryBroker()
+    async with run_pumps([broker.connect()], [engine], registry, settings):
+        broker.publish("m1", "Pay", {"amount": 10})
+        await broker.wait_idle(5)
+    assert [letter.reason for letter in broker.dead_letters] == [
+        "pay: provider: HTTP 422 card declined"
+    ]
+    sessions = session_factory(engine)
+    sweeps = [await claims.redrive(sessions, registry, settings, LOG) for _ in range(3)]
+    [row] = await inbox_rows(engine)
+    assert sweeps == [Counter()] * 3
+    assert calls == Counter({"m1": 1})  # the provider was called once, not once per sweep
+    assert (row.state, row.lease_until, row.outcome) == (
+        "abandoned",
+        None,
+        "failed: Poison: provider: HTTP 422 card declined",
+    )
+    assert row.processed_at is not None  # the retention window counts from here
+    assert await claims.stale_claims(sessions) == []
+
+
+async def test_a_failure_on_the_last_delivery_abandons_the_claim(
+    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+) -> None:
+    async def fail(ctx: ClaimContext, message: Pay) -> str:
+        raise RuntimeError("provider unreachable")
+
+    calls: Counter[str] = Counter()
+    registry, _ = pay_registry(calls, fail)
+    settings = make_settings(
+        claim_lease=5, claim_call_timeout=4, purge_interval=0, max_deliveries=2
+    )
+    broker = MemoryBroker()
+    async with run_pumps([broker.connect()], [engine], registry, settings):
+        broker.publish("m1", "Pay", {"amount": 10})
+        await broker.wait_idle(10)
+    [letter] = broker.dead_letters
+    assert letter.reason.startswith("failed 2 deliveries")
+    [row] = await inbox_rows(engine)
+    assert (row.state, row.attempts) == ("abandoned", 2)
+    assert await claims.redrive(session_factory(engine), registry, settings, LOG) == Counter()
+    assert calls == Counter({"m1": 2})
+
+
+async def test_the_sweeper_abandons_claims_out_of_attempts_and_redrives_the_others(
+    engine: AsyncEngine, make_settings: Any
+) -> None:
+    """The hopeless claim is the most overdue: with ``limit=1`` it would hide the other one
+    forever if the sweeper only skipped it."""
+
+    async def send(ctx: ClaimContext, message: Pay) -> str:
+        return "paid"
+
+    calls: Counter[str] = Counter()
+    registry, _ = pay_registry(calls, send)
+    settings = make_settings(claim_lease=5, claim_call_timeout=4, max_deliveries=3)
+    await add_claim(
+        engine, "spent", attempts=3, age=timedelta(minutes=10), outcome="failed: Retry: 503"
+    )
+    await add_claim(engine, "fresh", attempts=1, age=timedelta(minutes=1))
+    sessions = session_factory(engine)
+    sweeps = [await claims.redrive(sessions, registry, settings, LOG, limit=1) for _ in range(3)]
+    spent, fresh = await inbox_rows(engine)
+    assert sweeps == [Counter({"exhausted": 1}), Counter({"committed": 1}), Counter()]
+    assert calls == Counter({"fresh": 1})
+    assert (spent.state, spent.attempts, spent.outcome) == ("abandoned", 3, "failed: Retry: 503")
+    assert (fresh.state, fresh.attempts, fresh.outcome) == ("finished", 2, "paid")
+
+
+async def test_only_one_new_delivery_takes_over_an_abandoned_claim(database_url: str) -> None:
+    """A re-submitted dead letter runs again (abandoned is not "done"), on one replica only;
+    the sweeper's takeover, by id, leaves an abandoned claim alone."""
+    engines = [create_engine(database_url) for _ in range(4)]
+    try:
+        await add_claim(engines[0], "m1", state="abandoned", attempts=3, age=timedelta(hours=1))
+        [abandoned] = await inbox_rows(engines[0])
+        assert await claims.take_over(session_factory(engines[0]), abandoned.id, lease=30) is None
+        got = await asyncio.gather(
+            *(claims.acquire(session_factory(e), "m1", "pay", lease=30) for e in engines)
+        )
+        [row] = await inbox_rows(engines[0])
+    finally:
+        for engine in engines:
+            await engine.dispose()
+    winners = [claim for claim in got if isinstance(claim, claims.Claim)]
+    assert len(winners) == 1 and winners[0].attempts == 4
+    assert sum(isinstance(claim, claims.Held) for claim in got) == 3
+    assert (row.state, row.processed_at, row.claimed_by) == ("claimed", None, winners[0].owner)
+
+
+async def test_abandoned_claims_are_listed_then_purged_with_the_finished_markers(
+    engine: AsyncEngine, make_settings: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await add_claim(engine, "old", state="abandoned", age=timedelta(days=2), outcome="failed: x")
+    await add_claim(engine, "recent", state="abandoned", attempts=2, age=timedelta(minutes=30))
+    await add_claim(engine, "stuck", age=timedelta(days=2))  # unfinished: never purged
+    settings = make_settings(
+        broker_lock_timeout=timedelta(minutes=1),
+        max_deliveries=5,
+        message_ttl=timedelta(minutes=5),
+        dead_letter_margin=timedelta(0),
+        inbox_retention=timedelta(hours=1),
+        purge_interval=0,
+    )
+    await claims.sweep_command(settings, redrive_claims=False, limit=10, abandoned=True)
+    listed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(c["message_id"], c["state"], c["attempts"]) for c in listed] == [
+        ("recent", "abandoned", 2),
+        ("old", "abandoned", 1),
+    ]
+    assert listed[1]["last_outcome"] == "failed: x"
+
+    result = await retention.purge(engine, settings, pause=0)
+    assert result.deleted == 1
+    assert [row.message_id for row in await inbox_rows(engine)] == ["recent", "stuck"]

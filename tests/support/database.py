@@ -1,0 +1,41 @@
+"""One-shot queries by URL, for tests that look at the database from outside a pump."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import Any
+
+from sqlalchemy import text
+
+from worker.db import create_engine
+
+
+async def fetch(database_url: str, sql: str) -> list[Any]:
+    engine = create_engine(database_url, pool_size=1)
+    try:
+        async with engine.connect() as connection:
+            return list(await connection.execute(text(sql)))
+    finally:
+        await engine.dispose()
+
+
+async def scalar(database_url: str, sql: str) -> Any:
+    """The first column of the first row, or None."""
+    rows = await fetch(database_url, sql)
+    return rows[0][0] if rows else None
+
+
+async def execute(database_url: str, *statements: str) -> None:
+    """Run the statements in one transaction."""
+    engine = create_engine(database_url, pool_size=1)
+    try:
+        async with engine.begin() as connection:
+            for sql in statements:
+                await connection.execute(text(sql))
+    finally:
+        await engine.dispose()
+
+
+async def balances(database_url: str, table: str = "accounts") -> dict[str, Decimal]:
+    rows = await fetch(database_url, f"SELECT id, balance FROM {table}")
+    return {row[0]: Decimal(row[1]) for row in rows}

@@ -1,0 +1,115 @@
+"""Real ``python -m worker.cli`` processes: their environment, one-shot commands, running workers.
+
+Every process is started with this interpreter (``sys.executable``) in the
+repository, and a running worker is only ever killed by its own PID.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import IO, Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def clean_env(*prefixes: str) -> dict[str, str]:
+    """This process's environment without any WORKER_* (or other ``prefixes``) variables."""
+    dropped = ("WORKER_", *prefixes)
+    return {k: v for k, v in os.environ.items() if not k.startswith(dropped)}
+
+
+def worker_cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "worker.cli", *args]
+
+
+def run_cli(
+    env: dict[str, str], *args: str, stdin: str | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """``worker <args>`` to completion (bounded), output captured."""
+    return subprocess.run(
+        worker_cli(*args),
+        env=env,
+        cwd=REPO,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+async def arun_cli(
+    env: dict[str, str], *args: str, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """:func:`run_cli` without blocking the event loop (a pump or producer keeps running)."""
+    return await asyncio.to_thread(run_cli, env, *args, stdin=stdin)
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    """The JSON log lines of a worker's output (libraries' plain-text lines are skipped)."""
+    lines = []
+    for raw in text.splitlines():
+        if raw.startswith("{"):
+            try:
+                lines.append(json.loads(raw))
+            except ValueError:
+                continue
+    return lines
+
+
+class WorkerProcess:
+    """One ``worker run`` OS process, its log in a file of its own."""
+
+    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+        self.log_path = log_path
+        self._log: IO[bytes] = log_path.open("wb")
+        self.process = subprocess.Popen(
+            worker_cli("run"), env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT
+        )
+
+    def log_lines(self) -> list[dict[str, Any]]:
+        return json_lines(self.log_path.read_text(errors="replace"))
+
+    def events(self, event: str) -> list[dict[str, Any]]:
+        return [line for line in self.log_lines() if line.get("event") == event]
+
+    def logged(self, event: str) -> bool:
+        return bool(self.events(event))
+
+    def signal(self, sig: signal.Signals) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.process.wait(timeout)
+        finally:
+            self._log.close()
+
+    def kill(self) -> None:
+        """Cleanup: SIGKILL this process (only this one, by its PID) if still running."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(10)
+        self._log.close()
+
+
+def events(workers: Iterable[WorkerProcess], event: str) -> list[dict[str, Any]]:
+    """One event's log lines across several workers."""
+    return [line for worker in workers for line in worker.events(event)]

@@ -1,0 +1,50 @@
+"""The local RabbitMQ the tests use: its address, its control, and a throwaway vhost.
+
+Deleting the vhost at the end deletes every queue and exchange the tests
+declared in it, whatever state a failed test left them in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import uuid
+from collections.abc import Iterator
+
+from tests.support.services import require_command, require_service
+
+HOST, PORT = "127.0.0.1", 5672
+
+
+def rabbitmqctl(*args: str, timeout: float = 60) -> str:
+    """Run ``rabbitmqctl`` (bounded); the tests control the local server through it."""
+    result = subprocess.run(
+        ["rabbitmqctl", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"rabbitmqctl {' '.join(args)}: {result.stderr.strip()}")
+    return result.stdout
+
+
+def guest_url(vhost: str) -> str:
+    return f"amqp://guest:guest@{HOST}:{PORT}/{vhost}"
+
+
+async def arabbitmqctl(*args: str) -> str:
+    """:func:`rabbitmqctl` without blocking the event loop (a pump keeps running meanwhile)."""
+    return await asyncio.to_thread(rabbitmqctl, *args)
+
+
+@contextlib.contextmanager
+def throwaway_vhost(prefix: str = "worker_test") -> Iterator[str]:
+    """A fresh vhost the guest user may use, deleted (with everything in it) afterwards."""
+    require_service(HOST, PORT, "RabbitMQ")
+    require_command("rabbitmqctl", "the tests cannot control the local RabbitMQ")
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    rabbitmqctl("add_vhost", name)
+    try:
+        rabbitmqctl("set_permissions", "-p", name, "guest", ".*", ".*", ".*")
+        yield name
+    finally:
+        rabbitmqctl("delete_vhost", name)
