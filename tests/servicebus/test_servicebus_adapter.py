@@ -15,40 +15,20 @@ import structlog
 from azure.servicebus import ServiceBusMessage, ServiceBusSubQueue
 from azure.servicebus.aio import ServiceBusClient
 from azure.servicebus.exceptions import MessageLockLostError
-from pydantic import SecretStr
 
 from tests.servicebus.fake import Entity, FakeServiceBus
+from tests.servicebus.sb_settings import CONNECTION_STRING, SECRET, sb_settings
 from worker import cli
 from worker.brokers import OutgoingMessage, open_admin, open_broker
 from worker.brokers.servicebus import (
     Connector,
     ServiceBusAdmin,
     ServiceBusConsumer,
-    ServiceBusSettings,
     load_settings,
 )
 from worker.delivery import Delivery
 from worker.errors import AlreadySettled, BrokerUnavailable, ConfigurationError, SettlementLost
 from worker.settings import Settings
-
-SECRET = "s3cr3t-key"
-CONNECTION_STRING = (
-    f"Endpoint=sb://fake.servicebus.windows.net/;SharedAccessKeyName=test;SharedAccessKey={SECRET}"
-)
-
-
-def sb_settings(**overrides: Any) -> ServiceBusSettings:
-    values: dict[str, Any] = {
-        "connection_string": SecretStr(CONNECTION_STRING),
-        "queue": "work",
-        "receive_wait": 0.2,
-        "reconnect_backoff": 0.05,
-        "reconnect_backoff_max": 0.2,
-        "try_timeout": 1.0,
-        "retry_total": 0,
-    }
-    values.update(overrides)
-    return ServiceBusSettings(**values).check()
 
 
 @pytest.fixture

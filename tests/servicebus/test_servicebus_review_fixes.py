@@ -16,35 +16,16 @@ import pytest
 import structlog
 from azure.servicebus import ServiceBusMessage, ServiceBusReceivedMessage
 from azure.servicebus.exceptions import MessageLockLostError
-from pydantic import SecretStr
 
 from tests.servicebus.fake import FakeServiceBus
+from tests.servicebus.sb_settings import sb_settings
 from worker.brokers.servicebus import (
     ServiceBusConsumer,
-    ServiceBusSettings,
     default_message_id,
     open_broker,
 )
 from worker.delivery import Delivery
 from worker.settings import Settings
-
-CONNECTION_STRING = (
-    "Endpoint=sb://fake.servicebus.windows.net/;SharedAccessKeyName=t;SharedAccessKey=s"
-)
-
-
-def sb_settings(**overrides: Any) -> ServiceBusSettings:
-    values: dict[str, Any] = {
-        "connection_string": SecretStr(CONNECTION_STRING),
-        "queue": "work",
-        "receive_wait": 0.2,
-        "reconnect_backoff": 0.05,
-        "reconnect_backoff_max": 0.2,
-        "try_timeout": 1.0,
-        "retry_total": 0,
-    }
-    values.update(overrides)
-    return ServiceBusSettings(**values).check()
 
 
 def tenant_id(message: ServiceBusReceivedMessage) -> str | None:
