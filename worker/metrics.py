@@ -22,6 +22,8 @@ from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from worker.concurrency import stats as concurrency_stats
+
 if TYPE_CHECKING:
     from worker.pump import Pump
 
@@ -133,6 +135,13 @@ class PumpCollector(Collector):
             "worker_database_available", "1 unless the pump paused for an outage."
         )
         ready = GaugeMetricFamily("worker_ready", "1 while /readyz reports ready.")
+        conflicts = CounterMetricFamily(
+            "worker_conflict_resolutions",
+            "What save() and the guarded bulk writes met: conflicts and how they ended.",
+            labels=["event"],
+        )
+        for event, count in sorted(dict(concurrency_stats).items()):
+            conflicts.add_metric([event], count)
 
         by_outcome: dict[tuple[str, str], int] = {}
         stats: dict[str, int] = {}
@@ -171,6 +180,7 @@ class PumpCollector(Collector):
             deliveries,
             settlements,
             retries,
+            conflicts,
             outages,
             in_flight,
             connected,

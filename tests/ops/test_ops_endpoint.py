@@ -234,6 +234,16 @@ async def test_retention_and_sweeper_counters_are_exported(run_pump: RunPump) ->
     assert grew("worker_sweeper_runs_total", result="ok") == 1
 
 
+async def test_conflict_resolutions_are_exported(run_pump: RunPump) -> None:
+    from worker.concurrency import stats
+
+    before = samples(registry_text())
+    stats["resolved-merge"] += 3
+    after = samples(registry_text())
+    key = ("worker_conflict_resolutions_total", (("event", "resolved-merge"),))
+    assert after[key] - before.get(key, 0.0) == 3
+
+
 async def test_openmetrics_when_the_scraper_asks_for_it(run_pump: RunPump) -> None:
     async with run_pump(credit_registry()) as (pump, _broker):
         server = OpsServer(pump, port=0)
