@@ -7,7 +7,7 @@ import json
 import sys
 import types
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -32,30 +32,8 @@ from worker.settings import Settings
 
 
 @pytest.fixture
-def bus() -> FakeServiceBus:
-    return FakeServiceBus()
-
-
-@pytest.fixture
 def queue(bus: FakeServiceBus) -> Entity:
     return bus.create_queue("work", lock_duration=5.0)
-
-
-@pytest.fixture
-async def consumers(bus: FakeServiceBus) -> AsyncIterator[Callable[..., Any]]:
-    """Start consumers on the fake; every one is closed at the end."""
-    started: list[ServiceBusConsumer] = []
-
-    async def start(slots: int = 4, **overrides: Any) -> ServiceBusConsumer:
-        """``slots`` is what the pump passes to ``start``: its concurrency."""
-        consumer = ServiceBusConsumer(sb_settings(**overrides), bus.client)
-        started.append(consumer)
-        await consumer.start(slots)
-        return consumer
-
-    yield start
-    for consumer in started:
-        await consumer.close()
 
 
 async def send(bus: FakeServiceBus, *messages: ServiceBusMessage, queue: str = "work") -> None:

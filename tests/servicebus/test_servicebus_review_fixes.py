@@ -9,10 +9,9 @@ its receive slot for the whole delay, long after the lock was gone.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
-import pytest
 import structlog
 from azure.servicebus import ServiceBusMessage, ServiceBusReceivedMessage
 from azure.servicebus.exceptions import MessageLockLostError
@@ -33,27 +32,6 @@ def tenant_id(message: ServiceBusReceivedMessage) -> str | None:
     if message.message_id == "bad":
         raise KeyError("tenant")
     return default_message_id(message)
-
-
-@pytest.fixture
-def bus() -> FakeServiceBus:
-    return FakeServiceBus()
-
-
-@pytest.fixture
-async def consumers(bus: FakeServiceBus) -> AsyncIterator[Callable[..., Any]]:
-    """Start consumers on the fake (``slots``: the pump's concurrency); all closed at the end."""
-    started: list[ServiceBusConsumer] = []
-
-    async def start(slots: int, **overrides: Any) -> ServiceBusConsumer:
-        consumer = ServiceBusConsumer(sb_settings(**overrides), bus.client)
-        started.append(consumer)
-        await consumer.start(slots)
-        return consumer
-
-    yield start
-    for consumer in started:
-        await consumer.close()
 
 
 async def send(bus: FakeServiceBus, *message_ids: str) -> None:
