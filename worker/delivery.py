@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from worker.errors import AlreadySettled
+from worker.logs import scrub
 
 
 class Settler(Protocol):
@@ -13,7 +14,11 @@ class Settler(Protocol):
 
     async def ack(self, handle: Any) -> None: ...
 
-    async def nack(self, handle: Any, delay: float | None) -> None: ...
+    async def nack(self, handle: Any, delay: float | None, counted: bool) -> None:
+        """Give the message back. ``counted=False``: the message is not to blame (a
+        database outage, a shutdown, a conflict lost to another writer), so the
+        delivery count it carries on its next delivery must not grow."""
+        ...
 
     async def dead_letter(self, handle: Any, reason: str) -> None: ...
 
@@ -70,14 +75,19 @@ class Delivery:
         self._claim("acked")
         await self._settler.ack(self._handle)
 
-    async def nack(self, delay: float | None = None) -> None:
-        """Give the message back for redelivery, after ``delay`` seconds where supported."""
+    async def nack(self, delay: float | None = None, *, counted: bool = True) -> None:
+        """Give the message back for redelivery, after ``delay`` seconds where supported.
+
+        ``counted=False`` keeps the delivery count where it is: only a message's own
+        failures may push it toward the dead-letter queue.
+        """
         self._claim("nacked")
-        await self._settler.nack(self._handle, delay)
+        await self._settler.nack(self._handle, delay, counted)
 
     async def dead_letter(self, reason: str) -> None:
+        """Move the message to the dead-letter queue; the reason leaves the process scrubbed."""
         self._claim("dead-lettered")
-        await self._settler.dead_letter(self._handle, reason)
+        await self._settler.dead_letter(self._handle, scrub(reason))
 
     def __repr__(self) -> str:
         return (

@@ -469,7 +469,7 @@ class KafkaBroker:
         self._require_owned(handle, "ack")
         self._settled(handle)
 
-    async def nack(self, handle: _Handle, delay: float | None) -> None:
+    async def nack(self, handle: _Handle, delay: float | None, counted: bool = True) -> None:
         partition, record = handle.partition, handle.record
         if not partition.owned:
             return  # revoked: the new owner reads from the committed offset, which is before it

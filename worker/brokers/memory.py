@@ -293,7 +293,7 @@ class MemoryConsumer:
             broker.stats["acked"] += 1
         broker._dispatch()
 
-    async def nack(self, handle: _Flight, delay: float | None) -> None:
+    async def nack(self, handle: _Flight, delay: float | None, counted: bool = True) -> None:
         broker = self.broker
         broker._end(handle)
         broker.history.append(("nack", handle.message.message_id, handle.message.delivery_count))

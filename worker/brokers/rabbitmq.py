@@ -514,7 +514,7 @@ class RabbitMQBroker:
         async with self._settling(handle, "ack"):
             await handle.message.ack()
 
-    async def nack(self, handle: _Handle, delay: float | None) -> None:
+    async def nack(self, handle: _Handle, delay: float | None, counted: bool = True) -> None:
         level = self.settings.retry_delay(handle.count, delay)
         if level is None and self.settings.queue_type == "quorum":
             # its x-delivery-count grows on every return, so the cheap requeue stays bounded

@@ -573,7 +573,7 @@ class ServiceBusConsumer:
             raise SettlementLost(f"message {handle.message_id!r}: not completed, {handle.lost}")
         await self._settle(handle, "complete", handle.link.receiver.complete_message)
 
-    async def nack(self, handle: _Lock, delay: float | None) -> None:
+    async def nack(self, handle: _Lock, delay: float | None, counted: bool = True) -> None:
         hold = self._hold_for(handle, delay) if delay and delay > 0 and not self._closed else 0
         if hold > 0:
             task = asyncio.create_task(self._abandon_later(handle, hold))
