@@ -1,0 +1,46 @@
+"""Outbox fixtures: publishing defaults per test, a recording publisher, running relays."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import pytest
+
+from tests.outbox.outbox_helpers import RecordingPublisher, fast_outbox
+from worker import outbox
+from worker.outbox import OutboxSettings
+
+
+@pytest.fixture(autouse=True)
+def outbox_settings() -> Iterator[OutboxSettings]:
+    """Publishing defaults for the test (not the environment's), reset afterwards."""
+    settings = fast_outbox()
+    outbox.configure(settings)
+    yield settings
+    outbox.configure(None)
+
+
+@pytest.fixture
+def publisher() -> RecordingPublisher:
+    return RecordingPublisher()
+
+
+@pytest.fixture
+def running_relays() -> Callable[..., Any]:
+    """``async with running_relays(relays):`` runs them as tasks and stops them on exit."""
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def run(relays: list[outbox.Relay]) -> AsyncIterator[list[outbox.Relay]]:
+        tasks = [asyncio.create_task(relay.run()) for relay in relays]
+        try:
+            yield relays
+        finally:
+            for relay in relays:
+                relay.stop()
+            async with asyncio.timeout(10):
+                await asyncio.gather(*tasks)
+
+    return run

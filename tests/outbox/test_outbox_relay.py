@@ -1,0 +1,232 @@
+"""The relay: claims with a lease, confirmed publishing, parking, order, wake-up, retention."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import Counter, defaultdict
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+from sqlalchemy import update
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from tests.outbox.outbox_helpers import RecordingPublisher, fast_outbox, outbox_rows
+from tests.support.processes import clean_env, run_cli
+from tests.support.waiting import wait_for
+from worker import outbox
+from worker.brokers.memory import MemoryBroker
+from worker.brokers.publishers import MemoryPublisher
+from worker.db import create_engine
+from worker.outbox import OutboxMessage, Relay
+from worker.registry import Context, Registry
+
+
+class Item(BaseModel):
+    key: str
+    n: int
+
+
+def item_registry(events_per_message: int = 1) -> Registry:
+    registry = Registry()
+
+    @registry.handler("Item", Item, consumer="items")
+    async def item(ctx: Context, message: Item) -> None:
+        for e in range(events_per_message):
+            await ctx.publish("ItemSeen", {"n": message.n, "e": e}, key=message.key)
+
+    return registry
+
+
+async def produce(
+    engine: AsyncEngine, make_settings: Any, run_pumps: Any, items: list[tuple[str, int]]
+) -> None:
+    """Run a pump over ``items`` so each adds its outbox rows, then stop it."""
+    broker = MemoryBroker()
+    settings = make_settings(concurrency=1)
+    async with run_pumps([broker.connect()], [engine], item_registry(), settings):
+        for key, n in items:
+            broker.publish(f"item-{n}", "Item", {"key": key, "n": n})
+        await broker.wait_idle(timeout=60)
+
+
+async def test_the_relay_publishes_and_marks_sent(
+    engine: AsyncEngine, make_settings: Any, run_pumps: Any, publisher: RecordingPublisher
+) -> None:
+    await produce(engine, make_settings, run_pumps, [("a", n) for n in range(25)])
+    relay = Relay(engine, publisher, fast_outbox(batch=10))
+    assert await relay.drain() == 25
+    rows = await outbox_rows(engine)
+    assert {r.state for r in rows} == {"sent"} and all(r.sent_at for r in rows)
+    assert sorted(m.message_id for m in publisher.sent) == sorted(r.message_id for r in rows)
+    assert publisher.sent[0].headers["ce-id"] == publisher.sent[0].message_id
+    assert await relay.drain() == 0  # nothing twice
+
+
+async def test_delete_sent_removes_confirmed_rows(
+    engine: AsyncEngine, make_settings: Any, run_pumps: Any, publisher: RecordingPublisher
+) -> None:
+    await produce(engine, make_settings, run_pumps, [("a", n) for n in range(5)])
+    assert await Relay(engine, publisher, fast_outbox(delete_sent=True)).drain() == 5
+    assert await outbox_rows(engine) == []
+
+
+async def test_a_commit_wakes_the_relay_before_its_poll(
+    engine: AsyncEngine, make_settings: Any, run_pumps: Any, running_relays: Any
+) -> None:
+    """With a 30 s poll, only the in-process wake-up can get an event out in time."""
+    events = MemoryBroker()
+    relay = Relay(engine, MemoryPublisher(events), fast_outbox(poll_interval=30.0))
+    broker = MemoryBroker()
+    latencies = []
+    async with (
+        running_relays([relay]),
+        run_pumps([broker.connect()], [engine], item_registry(), make_settings()),
+    ):
+        await asyncio.sleep(0.2)  # the relay has polled once and sleeps now
+        for n in range(20):
+            started = time.perf_counter()
+            broker.publish(f"w-{n}", "Item", {"key": "k", "n": n})
+            await wait_for(lambda n=n: len(events.ready) > n, 5, "the woken relay")
+            latencies.append(time.perf_counter() - started)
+    latencies.sort()
+    p50, p95 = latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.95) - 1]
+    print(f"delivery -> commit -> relay confirm: p50 {p50 * 1000:.1f} ms, p95 {p95 * 1000:.1f} ms")
+    assert p95 < 2.0
+
+
+async def test_a_refused_row_is_parked_then_retried_by_the_cli(
+    engine: AsyncEngine,
+    database_url: str,
+    make_settings: Any,
+    run_pumps: Any,
+    publisher: RecordingPublisher,
+) -> None:
+    await produce(engine, make_settings, run_pumps, [("a", 1), ("b", 2)])
+    poison = (await outbox_rows(engine))[0].message_id
+    publisher.refuse = lambda m: "unroutable: no queue bound" if m.message_id == poison else None
+    relay = Relay(engine, publisher, fast_outbox(max_attempts=3))
+    for _ in range(5):
+        await relay.drain()
+    rows = {r.message_id: r for r in await outbox_rows(engine)}
+    assert (rows[poison].state, rows[poison].attempts) == ("parked", 3)
+    assert rows[poison].last_error == "unroutable: no queue bound"
+    assert [m.message_id for m in publisher.sent] == [r for r in rows if r != poison]
+
+    env = {**clean_env(), "WORKER_DATABASE_URL": database_url, "WORKER_LOG_LEVEL": "ERROR"}
+    listed = run_cli(env, "outbox")
+    assert listed.returncode == 0, listed.stderr
+    lines = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert [(x["id"], x["state"], x["attempts"]) for x in lines] == [(poison, "parked", 3)]
+    assert "0 pending" in listed.stderr and "1 parked" in listed.stderr
+
+    publisher.refuse = lambda m: None  # the destination is fixed
+    retried = run_cli(env, "outbox", "--retry")
+    assert retried.returncode == 0, retried.stderr
+    assert "re-queued 1 parked" in retried.stderr
+    assert await relay.drain() == 1
+    assert {r.state for r in await outbox_rows(engine)} == {"sent"}
+    assert publisher.sent[-1].message_id == poison
+
+
+async def test_an_unreachable_broker_spends_no_attempt(
+    engine: AsyncEngine, make_settings: Any, run_pumps: Any, publisher: RecordingPublisher
+) -> None:
+    await produce(engine, make_settings, run_pumps, [("a", n) for n in range(6)])
+    publisher.unreachable = 20
+    relay = Relay(engine, publisher, fast_outbox(max_attempts=2))
+    for _ in range(20):
+        result = await relay.run_once()
+        assert result.unavailable and result.sent == 0
+    backlog = await relay.update_gauges()
+    assert (backlog.pending, backlog.parked) == (6, 0)
+    assert backlog.oldest_pending_seconds >= 0
+    assert {(r.state, r.attempts, r.lease_until) for r in await outbox_rows(engine)} == {
+        ("pending", 0, None)
+    }
+    assert await relay.drain() == 6  # the broker is back: the backlog drains
+    assert (await relay.update_gauges()).pending == 0
+
+
+async def test_an_expired_lease_is_taken_over_with_the_same_id(
+    engine: AsyncEngine, make_settings: Any, run_pumps: Any, publisher: RecordingPublisher
+) -> None:
+    """A relay that claimed and vanished: its rows go out again once the lease is over."""
+    await produce(engine, make_settings, run_pumps, [("a", 1)])
+    crashed = Relay(engine, publisher, fast_outbox(lease=1.0, publish_timeout=0.5), name="dead")
+    claimed = await crashed.claim()
+    assert len(claimed) == 1
+    other = Relay(engine, publisher, fast_outbox(lease=1.0, publish_timeout=0.5), name="alive")
+    assert await other.claim() == []  # leased: not yet
+    await asyncio.sleep(1.1)
+    assert await other.drain() == 1
+    assert publisher.sent[0].message_id == claimed[0].message.message_id
+
+
+async def test_keyed_rows_go_out_in_order_across_three_relays(
+    engine: AsyncEngine, make_settings: Any, run_pumps: Any, running_relays: Any
+) -> None:
+    rng = random.Random(3)
+    items = [(f"key-{rng.randrange(4)}", n) for n in range(60)]
+    await produce(engine, make_settings, run_pumps, items)
+    publisher = RecordingPublisher(delay=0.002)
+    flaky = random.Random(5)
+    publisher.refuse = lambda m: "flaky" if flaky.random() < 0.2 else None
+    relays = [Relay(engine, publisher, fast_outbox(ordered=True, batch=5)) for _ in range(3)]
+    async with running_relays(relays):
+        await wait_for(lambda: len(publisher.sent) >= 60, 60, "every row published")
+    by_key: dict[str, list[int]] = defaultdict(list)
+    for message in publisher.sent:
+        by_key[message.key or ""].append(json.loads(message.body)["n"])
+    expected: dict[str, list[int]] = defaultdict(list)
+    for key, n in items:
+        expected[key].append(n)
+    assert by_key == expected
+    assert publisher.overlaps == 0
+
+
+@pytest.mark.postgres
+async def test_three_relays_on_postgres_publish_each_row_once(
+    postgres_only_url: str, make_settings: Any, run_pumps: Any, running_relays: Any
+) -> None:
+    """SKIP LOCKED claims: in normal operation no row is published twice, or twice at once."""
+    engines = [create_engine(postgres_only_url, pool_size=4) for _ in range(3)]
+    try:
+        items = [(f"k{n % 7}", n) for n in range(600)]
+        await produce(
+            engines[0],
+            lambda **kw: make_settings(database_url=postgres_only_url, **kw),
+            run_pumps,
+            items,
+        )
+        publisher = RecordingPublisher(delay=0.005)
+        relays = [Relay(e, publisher, fast_outbox(batch=20)) for e in engines]
+        async with running_relays(relays):
+            await wait_for(lambda: len(publisher.sent) >= 600, 60, "every row published")
+            await asyncio.sleep(0.3)  # time for a second copy, if one were coming
+        counts = Counter(m.message_id for m in publisher.sent)
+        assert len(counts) == 600 and set(counts.values()) == {1}
+        assert publisher.overlaps == 0
+        assert all(r.stats["published"] > 0 for r in relays), [r.stats for r in relays]
+    finally:
+        for e in engines:
+            await e.dispose()
+
+
+async def test_sent_rows_are_purged_after_the_retention_in_batches(
+    engine: AsyncEngine, make_settings: Any, run_pumps: Any, publisher: RecordingPublisher
+) -> None:
+    await produce(engine, make_settings, run_pumps, [("a", n) for n in range(30)])
+    settings = fast_outbox(retention=timedelta(hours=1), purge_batch=7)
+    assert await Relay(engine, publisher, settings).drain() == 30
+    old = datetime.now(UTC) - timedelta(hours=2)
+    async with engine.begin() as connection:
+        await connection.execute(
+            update(OutboxMessage).where(OutboxMessage.id <= 20).values(sent_at=old)
+        )
+    assert await outbox.purge(engine, settings) == 20
+    assert len(await outbox_rows(engine)) == 10
