@@ -116,3 +116,79 @@ async def test_poison_and_exhausted_records_reach_the_dead_letter_topic(
     back = again[7:]
     assert sorted(header(r, "message-id") or "-" for r in back) == ["-", "m1", "m2", "m4"]
     assert not any(k.startswith("dlt-") for r in back for k, _ in r.headers)
+
+
+async def run_until_committed(
+    kafka: KafkaSettings, url: str, settings: Any, bootstrap: str, offset: int, seconds: float
+) -> Pump:
+    """Run a pump on ``kafka`` until the group committed ``offset`` on partition 0."""
+    topic = kafka.topic_list[0]
+    engine = create_engine(url)
+    pump = Pump(KafkaBroker(settings, kafka), engine, registry(), settings)
+    running = asyncio.create_task(pump.run())
+    try:
+        await wait_for(
+            lambda: committed_is(bootstrap, kafka.group_id, topic, offset),
+            seconds,
+            f"offset {offset}",
+            step=0.3,
+        )
+    finally:
+        pump.stop()
+        await asyncio.wait_for(running, 30)
+        await engine.dispose()
+    return pump
+
+
+BIG = 1024 * 1024 - 250  # fits the topic (and a 1 MiB producer), not once dlt-* headers are added
+
+
+@pytest.mark.parametrize("max_request_size", [None, 2 * 1024 * 1024], ids=["default", "raised"])
+async def test_a_dead_letter_too_large_for_the_producer_is_sent_reduced(
+    new_topic: Callable[[int], Awaitable[str]],
+    kafka_settings: Callable[..., KafkaSettings],
+    bootstrap: str,
+    sqlite_template: Path,
+    tmp_path: Path,
+    make_settings: Callable[..., Any],
+    max_request_size: int | None,
+) -> None:
+    """Issue 15 item 3: a deterministic refusal of the dead letter must not rewind forever."""
+    topic = await new_topic(1)
+    big = b"[" + b" " * (BIG - 2) + b"]"  # valid JSON, not a CreditRequested: poison
+    records = [
+        (b"k", big, {"message-id": "big", "type": "CreditRequested"}, 0),
+        (b"k", *credit("after", "acct-1", "2.50"), 0),
+    ]
+    await produce(bootstrap, topic, records)
+    database = tmp_path / "worker.db"
+    shutil.copy(sqlite_template, database)
+    url = f"sqlite+aiosqlite:///{database}"
+    overrides = {} if max_request_size is None else {"max_request_size": max_request_size}
+    kafka = kafka_settings(topic, **overrides)
+    settings = make_settings(database_url=url, max_deliveries=2)
+
+    pump = await run_until_committed(kafka, url, settings, bootstrap, 2, 30)
+
+    # the record behind it ran, nothing was rewound, one dead letter
+    assert await balances(url) == {"acct-1": Decimal("2.50")}
+    assert pump.stats["dead-letter"] == 1 and pump.stats["settlement-lost"] == 0, pump.stats
+    letters, _ = await read_all(bootstrap, f"{topic}.DLT", 4)
+    assert len(letters) == 1, [r.headers for r in letters]
+    letter = letters[0]
+    assert header(letter, "dlt-original-topic") == topic
+    assert (header(letter, "dlt-original-partition"), header(letter, "dlt-original-offset")) == (
+        "0",
+        "0",
+    )
+    assert header(letter, "dlt-message-id") == "big"
+    assert "invalid body for CreditRequested" in (header(letter, "dlt-reason") or "")
+    if max_request_size is None:  # reduced: the value stays in the source topic only
+        assert letter.value is None
+        assert header(letter, "dlt-dropped") == "value"
+        assert header(letter, "dlt-original-size") == str(BIG)
+        assert header(letter, "type") == "CreditRequested"  # small headers travel along
+        assert letter.key == b"k"
+    else:  # WORKER_KAFKA_MAX_REQUEST_SIZE raised: the whole record fits
+        assert letter.value == big
+        assert header(letter, "dlt-dropped") is None

@@ -222,3 +222,19 @@ async def test_an_unreachable_broker_is_broker_unavailable(
         await broker.start(prefetch=1)
     assert not broker.ready
     await broker.close()
+
+
+async def test_an_uncounted_nack_does_not_spend_a_delivery(
+    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
+) -> None:
+    """Rule 13: a give-back the record is not to blame for keeps its delivery count."""
+    topic = await new_topic(1)
+    await produce(bootstrap, topic, [(None, b"{}", {"message-id": "m0"}, 0)])
+    async with started(kafka_settings(topic)) as broker:
+        counts = []
+        for counted in (False, False, True, False, True):
+            delivery = await receive(broker)
+            counts.append(delivery.delivery_count)
+            await delivery.nack(0.01, counted=counted)
+        counts.append((await receive(broker)).delivery_count)
+    assert counts == [1, 1, 1, 2, 2, 3]

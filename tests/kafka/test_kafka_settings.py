@@ -76,7 +76,9 @@ def test_settings_from_the_environment(env: pytest.MonkeyPatch) -> None:
     env.setenv("WORKER_KAFKA_SASL_MECHANISM", "SCRAM-SHA-512")
     env.setenv("WORKER_KAFKA_SASL_USERNAME", "svc")
     env.setenv("WORKER_KAFKA_SASL_PASSWORD", "s3cret")
+    env.setenv("WORKER_KAFKA_MAX_REQUEST_SIZE", "4194304")
     kafka = load_kafka_settings()
+    assert kafka.max_request_size == 4 * 1024 * 1024
     assert kafka.topic_list == ["orders", "payments"]
     assert kafka.topic_types == {"orders": "OrderPlaced"}
     assert kafka.dead_letter_topic("orders") == "orders.DLT"

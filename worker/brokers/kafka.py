@@ -35,7 +35,20 @@ from aiokafka import (  # type: ignore[import-untyped]
     ConsumerRebalanceListener,
     TopicPartition,
 )
-from aiokafka.errors import KafkaError  # type: ignore[import-untyped]
+from aiokafka.errors import (  # type: ignore[import-untyped]
+    ClusterAuthorizationFailedError,
+    CorruptRecordException,
+    InvalidMessageError,
+    InvalidTimestampError,
+    InvalidTopicError,
+    KafkaError,
+    MessageSizeTooLargeError,
+    PolicyViolationError,
+    RecordListTooLargeError,
+    RecordTooLargeError,
+    TopicAuthorizationFailedError,
+    UnsupportedForMessageFormatError,
+)
 from aiokafka.helpers import create_ssl_context  # type: ignore[import-untyped]
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -55,9 +68,29 @@ DLT_OFFSET = "dlt-original-offset"
 DLT_REASON = "dlt-reason"
 DLT_MESSAGE_ID = "dlt-message-id"
 DLT_DELIVERY_COUNT = "dlt-delivery-count"
+DLT_DROPPED = "dlt-dropped"
+DLT_ORIGINAL_SIZE = "dlt-original-size"
 _DLT_PREFIX = "dlt-"
 _MAX_REASON = 2000
 _FETCH_WAIT_MS = 200
+_REDUCED_KEY_MAX = 1024  # a reduced dead letter keeps the original key up to this size
+
+# Produce errors that come back the same on every retry of the same record: the
+# record (too large, malformed) or the permissions are at fault, not the network.
+# A dead letter refused with one of these is sent reduced instead of rewound.
+_UNSENDABLE: tuple[type[Exception], ...] = (
+    MessageSizeTooLargeError,
+    RecordTooLargeError,
+    RecordListTooLargeError,
+    CorruptRecordException,
+    InvalidMessageError,
+    InvalidTimestampError,
+    UnsupportedForMessageFormatError,
+    PolicyViolationError,
+    InvalidTopicError,
+    TopicAuthorizationFailedError,
+    ClusterAuthorizationFailedError,
+)
 
 
 class KafkaSettings(BaseSettings):
@@ -100,6 +133,9 @@ class KafkaSettings(BaseSettings):
     )
     max_buffered: int = Field(500, ge=1, description="Fetched records buffered per partition.")
     idempotent_producer: bool = Field(True, description="Idempotent dead-letter producer.")
+    max_request_size: int = Field(
+        1_048_576, ge=1024, description="Largest request the dead-letter producer sends, bytes."
+    )
 
     @property
     def topic_list(self) -> list[str]:
@@ -301,7 +337,10 @@ class KafkaBroker:
         )
         self._consumer.subscribe(kafka.topic_list, listener=_Listener(self))
         self._producer = AIOKafkaProducer(
-            acks="all", enable_idempotence=kafka.idempotent_producer, **options
+            acks="all",
+            enable_idempotence=kafka.idempotent_producer,
+            max_request_size=kafka.max_request_size,
+            **options,
         )
         try:
             await self._producer.start()
@@ -473,7 +512,10 @@ class KafkaBroker:
         partition, record = handle.partition, handle.record
         if not partition.owned:
             return  # revoked: the new owner reads from the committed offset, which is before it
-        self._attempts.setdefault(partition.tp, {})[record.offset] = handle.attempt
+        # The next delivery is attempt + 1; one the record is not to blame for
+        # (a database outage, a shutdown, a lost conflict) keeps its number.
+        spent = handle.attempt if counted else handle.attempt - 1
+        self._attempts.setdefault(partition.tp, {})[record.offset] = spent
         if delay is None:
             kafka = self.kafka
             delay = kafka.redelivery_delay * 2 ** (handle.attempt - 1)
@@ -501,35 +543,87 @@ class KafkaBroker:
             self._consumer.resume(partition.tp)
 
     async def dead_letter(self, handle: _Handle, reason: str) -> None:
+        """Produce the record to its dead-letter topic; settle it once the broker has it.
+
+        A send the broker (or the producer's own size check) refuses for good is
+        tried once more as a reduced dead letter: the ``dlt-*`` headers with the
+        original coordinates, the value (and, if large, the headers and key)
+        dropped, which ``dlt-dropped`` names. Any other failure rewinds the record.
+        """
         self._require_owned(handle, "dead-letter")
         record = handle.record
         topic = self.kafka.dead_letter_topic(record.topic)
-        message_id = handle.message_id
-        headers = [(k, v) for k, v in record.headers or () if not k.startswith(_DLT_PREFIX)]
-        headers += [
+        own = self._dead_letter_headers(handle, reason)
+        original = [(k, v) for k, v in record.headers or () if not k.startswith(_DLT_PREFIX)]
+        try:
+            await self._producer.send_and_wait(
+                topic, record.value, key=record.key, headers=original + own
+            )
+        except _UNSENDABLE as exc:
+            await self._dead_letter_reduced(handle, topic, original, own, exc)
+        except KafkaError as exc:
+            await self._dead_letter_failed(handle, topic, exc)
+        self._require_owned(handle, "dead-letter")
+        self._settled(handle)
+
+    def _dead_letter_headers(self, handle: _Handle, reason: str) -> list[tuple[str, bytes]]:
+        record = handle.record
+        headers = [
             (DLT_TOPIC, record.topic.encode()),
             (DLT_PARTITION, str(record.partition).encode()),
             (DLT_OFFSET, str(record.offset).encode()),
             (DLT_REASON, reason[:_MAX_REASON].encode()),
             (DLT_DELIVERY_COUNT, str(handle.attempt).encode()),
         ]
-        if message_id is not None:
-            headers.append((DLT_MESSAGE_ID, message_id.encode()))
+        if handle.message_id is not None:
+            headers.append((DLT_MESSAGE_ID, handle.message_id[:_MAX_REASON].encode()))
+        return headers
+
+    async def _dead_letter_reduced(
+        self,
+        handle: _Handle,
+        topic: str,
+        original: list[tuple[str, bytes]],
+        own: list[tuple[str, bytes]],
+        refusal: Exception,
+    ) -> None:
+        """Send what identifies the record and why it failed; the value stays in its topic."""
+        record = handle.record
+        value = record.value or b""
+        dropped, headers, key = ["value"], original, record.key
+        if sum(len(k) + len(v) for k, v in original) > _REDUCED_KEY_MAX * 4:
+            dropped.append("headers")
+            headers = []
+        if key is not None and len(key) > _REDUCED_KEY_MAX:
+            dropped.append("key")
+            key = None
+        marks = [(DLT_DROPPED, ",".join(dropped).encode()), (DLT_ORIGINAL_SIZE, b"%d" % len(value))]
+        self._log.warning(
+            "dead letter refused for good, sending it reduced",
+            message_id=handle.message_id,
+            topic=topic,
+            partition=record.partition,
+            offset=record.offset,
+            dropped=",".join(dropped),
+            size=len(value),
+            error=refusal,
+        )
         try:
-            await self._producer.send_and_wait(topic, record.value, key=record.key, headers=headers)
+            await self._producer.send_and_wait(topic, None, key=key, headers=headers + own + marks)
         except KafkaError as exc:
-            self._log.warning(
-                "dead-letter send failed, record rewound",
-                message_id=message_id,
-                topic=topic,
-                attempt=handle.attempt,
-                outcome="rewound",
-                error=exc,
-            )
-            await self.nack(handle, None)
-            raise SettlementLost(f"dead-letter topic {topic!r} refused the record: {exc}") from None
-        self._require_owned(handle, "dead-letter")
-        self._settled(handle)
+            await self._dead_letter_failed(handle, topic, exc)
+
+    async def _dead_letter_failed(self, handle: _Handle, topic: str, exc: Exception) -> None:
+        self._log.warning(
+            "dead-letter send failed, record rewound",
+            message_id=handle.message_id,
+            topic=topic,
+            attempt=handle.attempt,
+            outcome="rewound",
+            error=exc,
+        )
+        await self.nack(handle, None)
+        raise SettlementLost(f"dead-letter topic {topic!r} refused the record: {exc}") from None
 
     def _require_owned(self, handle: _Handle, verb: str) -> None:
         partition = handle.partition
