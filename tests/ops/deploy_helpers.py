@@ -7,20 +7,27 @@ yamllint), so the checks run offline and without a cluster or a Docker engine.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import importlib
 import inspect
 import json
+import os
 import shutil
 import subprocess
 import sysconfig
+import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic_settings import BaseSettings
 
-from tests.support.services import unavailable
+from tests.support.processes import clean_env
+from tests.support.services import require_service, unavailable
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -170,3 +177,81 @@ def known_variables() -> set[str]:
 def emulator_config() -> dict[str, Any]:
     loaded: dict[str, Any] = json.loads(EMULATOR_CONFIG.read_text())
     return loaded
+
+
+# -- real processes on a throwaway PostgreSQL database -------------------------------
+
+POSTGRES_ADMIN_DSN = os.environ.get(
+    "WORKER_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
+).replace("postgresql+asyncpg://", "postgresql://")
+
+
+async def _admin(sql: str) -> None:
+    import asyncpg
+
+    connection = await asyncpg.connect(POSTGRES_ADMIN_DSN, timeout=10)
+    try:
+        await connection.execute(sql)
+    finally:
+        await connection.close()
+
+
+@contextlib.contextmanager
+def throwaway_database() -> Iterator[str]:
+    """An empty PostgreSQL database for one test (its asyncpg URL), dropped afterwards."""
+    require_service("127.0.0.1", 5432, "PostgreSQL")
+    name = f"worker_deploy_{uuid.uuid4().hex[:10]}"
+    asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
+    try:
+        yield database_url(name)
+    finally:
+        asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+def database_url(name: str) -> str:
+    base = POSTGRES_ADMIN_DSN.rsplit("/", 1)[0].replace("postgresql://", "postgresql+asyncpg://")
+    return f"{base}/{name}"
+
+
+def dsn(url: str) -> str:
+    """The asyncpg DSN of a SQLAlchemy URL."""
+    return url.replace("postgresql+asyncpg://", "postgresql://")
+
+
+def cli_env(database: str, **extra: str) -> dict[str, str]:
+    env = clean_env()
+    env.update(PYTHONPATH=str(REPO), WORKER_DATABASE_URL=database, WORKER_LOG_FORMAT="json")
+    env.update(extra)
+    return env
+
+
+def as_pid_1(command: list[str]) -> list[str]:
+    """``command`` as PID 1 of a new PID namespace, as in a container without an init.
+
+    The kernel drops every signal to a namespace's init that the process has no
+    handler for: SIGTERM to a process that relies on the default action is ignored.
+    """
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        unavailable("unshare (util-linux) is needed to run a process as PID 1")
+    probe = subprocess.run(
+        [unshare, "--user", "--map-root-user", "--pid", "--fork", "--kill-child", "true"],
+        capture_output=True,
+        timeout=10,
+        check=False,
+    )
+    if probe.returncode != 0:
+        unavailable(f"no PID namespaces here: {probe.stderr.decode(errors='replace').strip()}")
+    return [unshare, "--user", "--map-root-user", "--pid", "--fork", "--kill-child", *command]
+
+
+def namespace_init(launcher: subprocess.Popen[Any], timeout: float = 10) -> int:
+    """The host PID of the process ``unshare --fork`` started (PID 1 inside)."""
+    deadline = time.monotonic() + timeout
+    children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children")
+    while time.monotonic() < deadline:
+        found = children.read_text().split() if children.exists() else []
+        if found:
+            return int(found[0])
+        time.sleep(0.05)
+    raise AssertionError(f"unshare (pid {launcher.pid}) started no child in {timeout}s")

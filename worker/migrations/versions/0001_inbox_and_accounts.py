@@ -19,6 +19,22 @@ _bigint_pk = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
 
 def upgrade() -> None:
+    # Each table only when missing: SQLite commits DDL statement by statement, so a
+    # killed run may have created the first table and not the second.
+    present = set(sa.inspect(op.get_bind()).get_table_names())
+    if "inbox" not in present:
+        _create_inbox()
+    if "accounts" not in present:
+        op.create_table(
+            "accounts",
+            sa.Column("id", sa.String(64), nullable=False),
+            sa.Column("balance", sa.Numeric(18, 2), nullable=False),
+            sa.Column("version", sa.Integer(), nullable=False),
+            sa.PrimaryKeyConstraint("id", name="pk_accounts"),
+        )
+
+
+def _create_inbox() -> None:
     op.create_table(
         "inbox",
         sa.Column("id", _bigint_pk, sa.Identity(), primary_key=True),
@@ -35,13 +51,6 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("id", name="pk_inbox"),
         sa.UniqueConstraint("message_id", "consumer", name="uq_inbox_message_consumer"),
-    )
-    op.create_table(
-        "accounts",
-        sa.Column("id", sa.String(64), nullable=False),
-        sa.Column("balance", sa.Numeric(18, 2), nullable=False),
-        sa.Column("version", sa.Integer(), nullable=False),
-        sa.PrimaryKeyConstraint("id", name="pk_accounts"),
     )
 
 
