@@ -1,9 +1,8 @@
-"""Service Bus adapter fixes from review: a failing id function, a retry delay past the locks.
+"""Service Bus: a deployment's id function that raises, and retry delays held on the lock.
 
-Modelled on the reviewer's reproductions. Each test fails on the adapter before the fix:
-the id function's exception retired the link and left the rest of the batch locked until
-the entity dead-letters it (MaxDeliveryCountExceeded); a delayed nack held the message and
-its receive slot for the whole delay, long after the lock was gone.
+An id function's exception costs only its own message (the rest of the batch is
+handed on, the link stays up). A delayed nack holds the renewed lock, never past the
+renewal window, and frees its slot as soon as the lock is lost.
 """
 
 from __future__ import annotations
