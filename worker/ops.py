@@ -9,7 +9,9 @@
   consuming, database available, not shutting down. A SIGTERM turns it 503 at once,
   while in-flight deliveries are still being finished.
 - ``/metrics``: the Prometheus exposition of the default registry
-  (:mod:`worker.metrics`), in OpenMetrics when the scraper asks for it.
+  (:mod:`worker.metrics`), in OpenMetrics when the scraper asks for it. With the
+  endpoint comes the inbox health monitor: a few bounded queries every
+  ``WORKER_INBOX_METRICS_INTERVAL`` seconds (30), never one per scrape.
 
 Why a thread: served from the worker's own loop, a stuck loop could not answer
 the liveness probe at all (a timeout says nothing about why), and metrics would
@@ -31,6 +33,7 @@ from prometheus_client.exposition import choose_encoder
 
 from worker.errors import ConfigurationError
 from worker.logs import get_logger
+from worker.metrics import INBOX_POLL_INTERVAL, InboxMonitor
 from worker.settings import Settings
 
 HEALTHZ, READYZ, METRICS = "/healthz", "/readyz", "/metrics"
@@ -71,6 +74,7 @@ class OpsServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
         self._log = get_logger(component="ops")
+        self.monitor: InboxMonitor | None = None  # stopped with the server
 
     # -- lifecycle (called on the worker's loop) ----------------------------------
 
@@ -97,6 +101,8 @@ class OpsServer:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, _STOP_TIMEOUT)
         await self._cancel_heart()
+        if self.monitor is not None:
+            await self.monitor.stop()
 
     async def _cancel_heart(self) -> None:
         if self._heart is not None:
@@ -182,4 +188,9 @@ async def start_ops(settings: Settings, target: Readiness) -> OpsServer | None:
         stall_timeout=settings.ops_stall_timeout,
     )
     await server.start()
+    # A settings field (WORKER_INBOX_METRICS_INTERVAL) when there is one; 30 s otherwise.
+    interval = float(getattr(settings, "inbox_metrics_interval", INBOX_POLL_INTERVAL))
+    if interval > 0:
+        server.monitor = InboxMonitor(settings.database_url, settings.retention, interval)
+        await server.monitor.start()
     return server
