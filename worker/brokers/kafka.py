@@ -136,6 +136,11 @@ class KafkaSettings(BaseSettings):
     max_request_size: int = Field(
         1_048_576, ge=1024, description="Largest request the dead-letter producer sends, bytes."
     )
+    watchdog_margin: float = Field(
+        30.0,
+        ge=0,
+        description="Seconds past WORKER_HANDLER_TIMEOUT before a record counts as hung.",
+    )
 
     @property
     def topic_list(self) -> list[str]:
@@ -305,13 +310,24 @@ class KafkaBroker:
         self._fetch_ok = False
         self._started = False
         self._stopping = False
+        # The watchdog: every record handed out and not settled yet, with the time
+        # it becomes overdue. An overdue record takes this member out of the group.
+        self._out: dict[_Handle, float] = {}
+        limit = getattr(settings, "handler_timeout", 300.0)  # WORKER_HANDLER_TIMEOUT
+        self._overdue_after = None if limit is None else float(limit) + kafka.watchdog_margin
+        self._left = False  # out of the group because a record is overdue
 
     # -- lifecycle --------------------------------------------------------------
 
     @property
     def ready(self) -> bool:
-        """Started, not stopping, owning partitions, fetching, and the coordinator known."""
-        if not self._started or self._stopping or not self._partitions or not self._fetch_ok:
+        """Started, not stopping, owning partitions, fetching, and the coordinator known.
+
+        Also false while the watchdog keeps the member out of the group.
+        """
+        if not self._started or self._stopping or self._left:
+            return False
+        if not self._partitions or not self._fetch_ok:
             return False
         # aiokafka has no public "connected" flag; the group coordinator is the
         # best one: a heartbeat that cannot reach it marks it unknown at once.
@@ -353,6 +369,8 @@ class KafkaBroker:
             asyncio.create_task(self._fetch(), name="kafka-fetch"),
             asyncio.create_task(self._commit_periodically(), name="kafka-commit"),
         ]
+        if self._overdue_after is not None:
+            self._tasks.append(asyncio.create_task(self._watch(), name="kafka-watchdog"))
         self._log.info("kafka consumer started", topics=kafka.topic_list)
 
     async def receive(self) -> Delivery:
@@ -413,6 +431,9 @@ class KafkaBroker:
         consumer = self._consumer
         failures = 0
         while True:
+            if self._left:  # unsubscribed: nothing to fetch until the watchdog rejoins
+                await asyncio.sleep(_FETCH_WAIT_MS / 1000)
+                continue
             self._flow_control()
             try:
                 batches = await consumer.getmany(timeout_ms=_FETCH_WAIT_MS)
@@ -481,6 +502,8 @@ class KafkaBroker:
             or self.kafka.topic_types.get(record.topic)
         )
         handle = _Handle(partition, record, attempt, message_id)
+        if self._overdue_after is not None:
+            self._out[handle] = time.monotonic() + self._overdue_after
         body = record.value or b""
         return Delivery(message_id, message_type, body, headers, attempt, self, handle)
 
@@ -505,10 +528,12 @@ class KafkaBroker:
     # -- Settler ----------------------------------------------------------------
 
     async def ack(self, handle: _Handle) -> None:
+        self._out.pop(handle, None)
         self._require_owned(handle, "ack")
         self._settled(handle)
 
     async def nack(self, handle: _Handle, delay: float | None, counted: bool = True) -> None:
+        self._out.pop(handle, None)
         partition, record = handle.partition, handle.record
         if not partition.owned:
             return  # revoked: the new owner reads from the committed offset, which is before it
@@ -550,6 +575,7 @@ class KafkaBroker:
         original coordinates, the value (and, if large, the headers and key)
         dropped, which ``dlt-dropped`` names. Any other failure rewinds the record.
         """
+        self._out.pop(handle, None)
         self._require_owned(handle, "dead-letter")
         record = handle.record
         topic = self.kafka.dead_letter_topic(record.topic)
@@ -672,8 +698,11 @@ class KafkaBroker:
         labels = sorted(p.label for p in self._partitions.values())
         self._log.info("partitions assigned", partitions=labels)
 
-    async def _revoke(self, revoked: Iterable[Any]) -> None:
-        """Stop handing out, let in-flight records settle (bounded), commit, drop the rest."""
+    async def _revoke(self, revoked: Iterable[Any], hung: Iterable[Any] = ()) -> None:
+        """Stop handing out, let in-flight records settle (bounded), commit, drop the rest.
+
+        ``hung``: partitions whose in-flight record is overdue, not worth waiting for.
+        """
         partitions = [self._partitions.pop(tp) for tp in revoked if tp in self._partitions]
         if not partitions:
             return
@@ -682,7 +711,8 @@ class KafkaBroker:
             if partition.rewind is not None:
                 partition.rewind.cancel()
                 partition.rewind = None
-        busy = [p for p in partitions if p.busy]
+        skip = set(hung)
+        busy = [p for p in partitions if p.busy and p.tp not in skip]
         if busy:
             waits = [asyncio.create_task(p.idle.wait()) for p in busy]
             _, late = await asyncio.wait(waits, timeout=self.kafka.rebalance_grace)
@@ -697,6 +727,54 @@ class KafkaBroker:
             partitions=sorted(p.label for p in partitions),
             in_flight_dropped=dropped,
         )
+
+    # -- the watchdog -----------------------------------------------------------
+
+    async def _watch(self) -> None:
+        """Leave the group while a record handed out is overdue; rejoin once none is.
+
+        The fetch task keeps polling whatever the handlers do, so the group's
+        ``max.poll.interval`` never notices a hung handler; this does. A record
+        still out ``WORKER_HANDLER_TIMEOUT`` + ``WORKER_KAFKA_WATCHDOG_MARGIN``
+        seconds after it was handed out means the pump's own time limit did not
+        end it: the member commits its settled prefixes, leaves, and its
+        partitions go to the other members, the overdue record included.
+        """
+        assert self._overdue_after is not None
+        step = max(0.05, min(1.0, self._overdue_after / 4))
+        while True:
+            await asyncio.sleep(step)
+            now = time.monotonic()
+            overdue = [h for h, due in self._out.items() if due <= now]
+            if self._left:
+                if not overdue and not self._stopping:
+                    self._rejoin()
+            elif any(h.partition.owned for h in overdue):
+                await self._leave([h for h in overdue if h.partition.owned])
+
+    async def _leave(self, overdue: list[_Handle]) -> None:
+        self._left = True
+        assert self._overdue_after is not None
+        for handle in overdue:
+            self._log.error(
+                "record overdue, leaving the consumer group so its partitions move on",
+                message_id=handle.message_id,
+                partition=handle.partition.label,
+                offset=handle.record.offset,
+                attempt=handle.attempt,
+                limit=self._overdue_after,
+            )
+        hung = {handle.partition.tp for handle in overdue}
+        await self._revoke(list(self._partitions), hung=hung)
+        self._consumer.unsubscribe()  # sends LeaveGroup; no rebalance callback follows
+        for partition in self._partitions.values():  # assigned while _revoke waited
+            self._disown(partition)
+        self._partitions.clear()
+
+    def _rejoin(self) -> None:
+        self._left = False
+        self._consumer.subscribe(self.kafka.topic_list, listener=_Listener(self))
+        self._log.info("no record overdue any more, rejoining the consumer group")
 
     def _disown(self, partition: _Partition) -> None:
         """From here on, settlements of its records raise SettlementLost."""
