@@ -35,6 +35,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     sweep.add_argument("--limit", type=int, default=100, help="at most this many")
     sweep.add_argument("--abandoned", action="store_true", help="list abandoned claims instead")
     commands.add_parser("purge-inbox", help="delete finished markers older than the retention")
+    relay = commands.add_parser("relay", help="send committed outbox rows to WORKER_BROKER")
+    relay.add_argument("--once", action="store_true", help="send what is due, then exit")
+    outbox = commands.add_parser("outbox", help="list pending and parked outbox rows")
+    outbox.add_argument("--retry", action="store_true", help="re-queue the parked rows")
+    outbox.add_argument("--limit", type=int, default=100, help="at most this many")
     args = parser.parse_args(argv)
 
     try:
@@ -63,6 +68,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from worker.retention import purge_command
 
             return asyncio.run(purge_command(settings))
+        if args.command in ("relay", "outbox"):
+            from worker import outbox as outbox_tools
+
+            if args.command == "relay":
+                return asyncio.run(outbox_tools.relay_command(settings, once=args.once))
+            return asyncio.run(
+                outbox_tools.outbox_command(settings, retry=args.retry, limit=args.limit)
+            )
         from worker.demo import demo as run_demo
 
         logs.configure("ERROR", settings.log_format)  # the demo's output is its table
@@ -145,6 +158,7 @@ async def _dlq(settings: Settings, limit: int, *, resubmit: bool) -> int:
 
 
 async def _run(settings: Settings) -> int:
+    from worker import outbox
     from worker.brokers import open_broker
     from worker.db import create_engine, ping, redact
     from worker.ops import start_ops
@@ -166,10 +180,12 @@ async def _run(settings: Settings) -> int:
             )
             return 1
         pump = Pump(broker, engine, registry, settings, name="worker")
+        relay = outbox.start(settings, engine, broker)  # beside the pump, never in its way
         ops = await start_ops(settings, pump)
         try:
             await pump.run(install_signal_handlers=True)
         finally:  # probes answer (not ready) until the pump has settled its last delivery
+            await outbox.stop(relay)
             if ops is not None:
                 await ops.stop()
     finally:

@@ -18,7 +18,15 @@ M = TypeVar("M", bound=BaseModel)
 class Context:
     """What a handler gets besides its message: the pump's session and the delivery's facts."""
 
-    __slots__ = ("attempt", "consumer", "delivery_count", "headers", "message_id", "session")
+    __slots__ = (
+        "_published",
+        "attempt",
+        "consumer",
+        "delivery_count",
+        "headers",
+        "message_id",
+        "session",
+    )
 
     def __init__(
         self,
@@ -35,6 +43,39 @@ class Context:
         self.delivery_count = delivery_count
         self.attempt = attempt
         self.headers = headers
+        self._published = 0  # the outbox sequence: the same ids on every re-run
+
+    async def publish(
+        self,
+        message_type: str,
+        body: Any,
+        *,
+        key: str | None = None,
+        headers: dict[str, Any] | None = None,
+        destination: str | None = None,
+    ) -> str:
+        """Publish through the outbox: a row in this session, sent after the commit.
+
+        Nothing leaves the process until the pump commits; a rollback takes the event
+        with it. ``body`` is a pydantic model, a JSON-able dict, bytes or text. The
+        returned id is derived from this message's id, the consumer and the call's
+        position in the handler, so a re-run publishes the same ids. ``key`` picks
+        the Kafka partition and, with ``WORKER_OUTBOX_ORDERED``, the order.
+        """
+        from worker import outbox
+
+        sequence = self._published
+        self._published += 1
+        return await outbox.add(
+            self,
+            sequence,
+            message_type,
+            body,
+            key=key,
+            headers=headers,
+            destination=destination,
+        )
+
 
 
 HandlerFunc = Callable[[Context, M], Awaitable[None]]
