@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import sqlite3
+import traceback
 from contextvars import ContextVar
 from typing import Any, NoReturn
 
@@ -33,6 +34,13 @@ _RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})  # serialization failure, d
 # 28 invalid authorization (a rotated password), 3D000 no such database.
 _UNAVAILABLE_SQLSTATE_CLASSES = ("08", "53", "28")
 _UNAVAILABLE_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "3D000"})
+# 42P01 undefined table, 42703 undefined column, 42883 undefined function: the schema is
+# older than the code (a rollout ahead of its migration). Not the message's fault.
+_SCHEMA_SQLSTATES = frozenset({"42P01", "42703", "42883"})
+_LOCK_NOT_AVAILABLE = "55P03"  # lock_timeout ran out
+# The modules an exception must have passed through to be the database's: a handler's
+# own ConnectionRefusedError (an HTTP call) is not a lost database connection.
+_DATABASE_MODULES = ("sqlalchemy.", "asyncpg", "aiosqlite", "sqlite3")
 
 
 class Base(DeclarativeBase):
@@ -49,8 +57,49 @@ class Base(DeclarativeBase):
     )
 
 
-HANDLER_RUNNING: ContextVar[bool] = ContextVar("worker_handler_running", default=False)
+class HandlerRun:
+    """One handler call inside the pump's transaction, and the statements that failed in it.
+
+    On PostgreSQL a failed statement aborts the whole transaction, and the pump's
+    COMMIT then quietly becomes a ROLLBACK (asyncpg reports no error): a handler that
+    caught the error and carried on would be acked with nothing committed. The pump
+    therefore refuses to commit while :attr:`failures` is not empty. A failure inside
+    a savepoint that was rolled back (``session.begin_nested()``) is forgiven.
+    """
+
+    __slots__ = ("_marks", "failures")
+
+    def __init__(self) -> None:
+        self.failures: list[BaseException] = []
+        self._marks: list[int] = []
+
+
+HANDLER_RUNNING: ContextVar[bool | HandlerRun] = ContextVar("worker_handler_running", default=False)
 """Set by the pump while a handler runs: any commit in that time is refused."""
+
+
+def _note_statement_failure(context: Any) -> None:
+    run = HANDLER_RUNNING.get()
+    if isinstance(run, HandlerRun):
+        run.failures.append(context.original_exception)
+
+
+def _savepoint(_connection: Any, _name: str) -> None:
+    run = HANDLER_RUNNING.get()
+    if isinstance(run, HandlerRun):
+        run._marks.append(len(run.failures))
+
+
+def _rollback_savepoint(_connection: Any, _name: str, _context: Any) -> None:
+    run = HANDLER_RUNNING.get()
+    if isinstance(run, HandlerRun) and run._marks:
+        del run.failures[run._marks.pop() :]  # the savepoint undid what failed inside it
+
+
+def _release_savepoint(_connection: Any, _name: str, _context: Any) -> None:
+    run = HANDLER_RUNNING.get()
+    if isinstance(run, HandlerRun) and run._marks:
+        run._marks.pop()
 
 
 def _refuse_while_handler_runs(what: str) -> None:
@@ -111,16 +160,27 @@ class PumpSession(AsyncSession):
         raise TransactionOwnedByPump("handlers must not close the pump's session")
 
 
-def create_engine(url: str, *, pool_size: int = 5) -> AsyncEngine:
-    """An async engine; SQLite files get WAL mode and a generous busy timeout."""
+def create_engine(url: str, *, pool_size: int = 5, max_overflow: int | None = None) -> AsyncEngine:
+    """An async engine; SQLite files get WAL mode and a generous busy timeout.
+
+    ``max_overflow`` (default: ``pool_size``): connections opened beyond the pool
+    under load. ``pool_size + max_overflow`` is what one process may hold on the
+    server, the figure the connection budget in deploy/README.md multiplies.
+    """
     if url.startswith("sqlite"):
         engine = create_async_engine(url, pool_size=pool_size, connect_args={"timeout": 30})
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
     else:
+        overflow = pool_size if max_overflow is None else max_overflow
         engine = create_async_engine(
-            url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=False
+            url, pool_size=pool_size, max_overflow=overflow, pool_pre_ping=False
         )
-    event.listen(engine.sync_engine, "commit", _refuse_connection_commit)
+    sync_engine = engine.sync_engine
+    event.listen(sync_engine, "commit", _refuse_connection_commit)
+    event.listen(sync_engine, "handle_error", _note_statement_failure)
+    event.listen(sync_engine, "savepoint", _savepoint)
+    event.listen(sync_engine, "rollback_savepoint", _rollback_savepoint)
+    event.listen(sync_engine, "release_savepoint", _release_savepoint)
     return engine
 
 
@@ -162,6 +222,9 @@ class Failure(enum.Enum):
     CONFLICT = "conflict"  # a version token did not match
     TRANSIENT = "transient"  # serialization failure, deadlock, a busy SQLite file
     CONNECTION = "connection"  # the connection broke or could not be made
+    SCHEMA = "schema"  # a table or column the code needs is missing: not migrated yet
+    LOCKED = "locked"  # lock_timeout on the marker: the same message is in progress elsewhere
+    DATA = "data"  # a value the database refuses deterministically (SQLSTATE class 22)
     ERROR = "error"  # anything else, including other integrity errors
 
 
@@ -174,19 +237,45 @@ def classify(exc: BaseException) -> Failure:
         if exc.connection_invalidated:
             return Failure.CONNECTION
         code = sqlstate(exc)
-        if code in _RETRYABLE_SQLSTATES:
-            return Failure.TRANSIENT
-        if _unavailable(code) or _is_os_error(exc.orig):
+        if code is not None:
+            return _classify_sqlstate(code)
+        if _is_os_error(exc.orig):
             return Failure.CONNECTION
         if isinstance(exc.orig, sqlite3.OperationalError):
             return _classify_sqlite(exc.orig)
         return Failure.ERROR
+    if not from_database(exc):
+        return Failure.ERROR
     if isinstance(exc, OSError):  # asyncpg raises refusals and resets unwrapped
         return Failure.CONNECTION
+    if isinstance(exc, OverflowError):  # sqlite3 refuses to bind an int beyond 64 bits
+        return Failure.DATA
     code = getattr(exc, "sqlstate", None)  # asyncpg's own errors, raised while connecting
     if isinstance(code, str) and _unavailable(code):
         return Failure.CONNECTION
     return Failure.ERROR
+
+
+def _classify_sqlstate(code: str) -> Failure:
+    if code in _RETRYABLE_SQLSTATES:
+        return Failure.TRANSIENT
+    if _unavailable(code):
+        return Failure.CONNECTION
+    if code in _SCHEMA_SQLSTATES:
+        return Failure.SCHEMA
+    if code == _LOCK_NOT_AVAILABLE:
+        return Failure.LOCKED
+    if code.startswith("22"):
+        return Failure.DATA
+    return Failure.ERROR
+
+
+def from_database(exc: BaseException) -> bool:
+    """True when the exception was raised inside the database layer (driver or SQLAlchemy)."""
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        if frame.f_globals.get("__name__", "").startswith(_DATABASE_MODULES):
+            return True
+    return False
 
 
 def _unavailable(code: str | None) -> bool:

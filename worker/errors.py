@@ -30,6 +30,18 @@ class TransactionOwnedByPump(WorkerError):
     """A handler tried to commit, roll back or close the pump's session."""
 
 
+class StatementSwallowed(WorkerError):
+    """A statement failed inside the handler and the handler carried on without a savepoint.
+
+    The cause is the database error the handler caught. On PostgreSQL the
+    transaction is aborted by then and a COMMIT would silently roll back.
+    """
+
+
+class HandlerTimeout(WorkerError):
+    """The handler ran longer than ``WORKER_HANDLER_TIMEOUT`` and was cancelled."""
+
+
 class Poison(WorkerError):
     """A message that can never succeed: dead-letter it at once with this reason."""
 

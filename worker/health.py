@@ -31,6 +31,8 @@ class DatabaseHealth:
         self._open.set()
         self._lock = asyncio.Lock()
         self._probe: asyncio.Task[None] | None = None
+        self._schema_pauses = 0
+        self._last_schema_pause = 0.0
         self.outages = 0
 
     @property
@@ -54,14 +56,33 @@ class DatabaseHealth:
                 self._pause(exc)
                 return False
 
-    def _pause(self, exc: BaseException) -> None:
+    def pause_for_schema(self, exc: BaseException) -> None:
+        """A table or column the handlers need is missing: a rollout ahead of its migration.
+
+        The database answers, so a ping cannot say when to resume; intake pauses for
+        a while (doubling on every schema pause in a row, up to 30 s) and tries again.
+        """
+        if not self._open.is_set():
+            return
+        now = time.monotonic()
+        if now - self._last_schema_pause > 120.0:  # a new episode starts short again
+            self._schema_pauses = 0
+        self._last_schema_pause = now
+        self._schema_pauses += 1
+        wait = min(0.5 * 2 ** (self._schema_pauses - 1), 30.0)
+        self._pause(exc, first_probe=wait, what="database schema is behind the code")
+
+    def _pause(
+        self, exc: BaseException, first_probe: float = 0.1, what: str = "database unavailable"
+    ) -> None:
         self.outages += 1
         self._open.clear()
-        self._log.warning("database unavailable, pausing intake", error=exc)
-        self._probe = asyncio.create_task(self._probe_until_available(time.monotonic()))
+        self._log.warning(f"{what}, pausing intake", error=exc)
+        self._probe = asyncio.create_task(
+            self._probe_until_available(time.monotonic(), first_probe)
+        )
 
-    async def _probe_until_available(self, since: float) -> None:
-        delay = 0.1
+    async def _probe_until_available(self, since: float, delay: float) -> None:
         while True:
             await asyncio.sleep(delay)
             try:
@@ -69,7 +90,7 @@ class DatabaseHealth:
                     await ping(self._engine)
             except Exception as exc:
                 self._log.debug("database probe failed", error=exc, next_probe_s=delay)
-                delay = min(delay * 2, self._backoff_max)
+                delay = min(max(delay, 0.1) * 2, self._backoff_max)
                 continue
             self._open.set()
             self._log.info(

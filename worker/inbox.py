@@ -83,6 +83,39 @@ _EXISTS = (
 )
 
 
+# PostgreSQL, redeliveries only: the fast-path check also bounds how long the marker
+# insert may wait for another transaction holding the same key (a slow attempt of the
+# same message elsewhere), and the insert puts the previous lock_timeout back, so the
+# handler's own statements wait as long as they always did. Same round trips as the
+# plain fast path + marker; a first delivery never pays for any of it.
+_PROBE = text(
+    "WITH previous AS MATERIALIZED (SELECT current_setting('lock_timeout') AS value) "
+    "SELECT previous.value, set_config('lock_timeout', :t, true), "
+    "EXISTS (SELECT 1 FROM inbox WHERE message_id = :m AND consumer = :c) FROM previous"
+)
+_MARK_THEN_RESTORE = text(
+    "WITH marked AS (INSERT INTO inbox (message_id, consumer) VALUES (:m, :c) RETURNING 1) "
+    "SELECT set_config('lock_timeout', :previous, true) FROM marked"
+)
+
+
+async def mark_redelivery(
+    session: AsyncSession, message_id: str, consumer: str, lock_timeout_ms: int, *, fast_path: bool
+) -> bool:
+    """PostgreSQL: True when already processed (fast path); else insert the marker.
+
+    The insert waits at most ``lock_timeout_ms`` for a concurrent holder of the same
+    key, then fails with SQLSTATE 55P03 (``Failure.LOCKED``): in progress elsewhere.
+    """
+    row = (
+        await session.execute(_PROBE, {"t": f"{lock_timeout_ms}ms", "m": message_id, "c": consumer})
+    ).one()
+    if fast_path and row[2]:
+        return True
+    await session.execute(_MARK_THEN_RESTORE, {"m": message_id, "c": consumer, "previous": row[0]})
+    return False
+
+
 async def mark(session: AsyncSession, message_id: str, consumer: str) -> None:
     """Insert the marker in the session's transaction; a duplicate raises IntegrityError.
 

@@ -6,17 +6,29 @@ For each delivery and each handler of its type, an attempt is::
 
 and the outcome decides the settlement in :meth:`Pump._settle`:
 
-=============================================  ===========================================
-outcome                                        settlement
-=============================================  ===========================================
-committed                                      ack
-unique violation of the inbox constraint       ack (duplicate: another attempt won)
-version conflict, serialization, deadlock      new attempt on a new session; exhausted: nack
-connection lost, database does not answer      nack, pause intake until the database answers
-no id, unknown type, undecodable, invalid      dead-letter at once, with the reason
-``Poison`` raised by the handler               dead-letter at once, with the reason
-any other exception                            nack; on the last allowed delivery: dead-letter
-=============================================  ===========================================
+==============================================  ==========================================
+outcome                                         settlement
+==============================================  ==========================================
+committed                                       ack
+unique violation of the inbox constraint        ack (duplicate: another attempt won)
+over WORKER_MAX_DELIVERIES, every marker there  ack (duplicate: the earlier ack was lost)
+over WORKER_MAX_DELIVERIES, work not done       dead-letter ("exhausted")
+version conflict, serialization, deadlock       new attempt on a new session, jittered
+                                                backoff; budget spent: nack, uncounted
+marker waited out its lock_timeout              nack, uncounted (in progress elsewhere)
+connection lost, database does not answer       nack, uncounted; pause intake until it answers
+table or column missing (schema behind code)    nack, uncounted; pause intake a while
+no id, unknown type, undecodable, invalid       dead-letter at once, with the reason
+a value the database refuses (SQLSTATE 22)      dead-letter at once, with the reason
+``Poison`` raised by the handler                dead-letter at once, with the reason
+statement failed, handler carried on            as the failed statement's class (above or
+                                                below): the transaction is aborted
+handler ran past WORKER_HANDLER_TIMEOUT         as any other exception
+any other exception                             nack; on the last allowed delivery: dead-letter
+==============================================  ==========================================
+
+"Uncounted" give-backs keep the message's delivery count where it is: only a
+message's own failures move it toward the dead-letter queue.
 """
 
 from __future__ import annotations
@@ -24,7 +36,8 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
@@ -33,9 +46,17 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from worker import claims, inbox, metrics, retention
 from worker.brokers import Broker
 from worker.concurrency import deleted_row, prepare_models, record_rejection
-from worker.db import HANDLER_RUNNING, Failure, PumpSession, classify, session_factory
+from worker.db import HANDLER_RUNNING, Failure, HandlerRun, PumpSession, classify, session_factory
 from worker.delivery import Delivery
-from worker.errors import Poison, Rejected, Retry, SettlementLost, WorkerError
+from worker.errors import (
+    AlreadySettled,
+    HandlerTimeout,
+    Poison,
+    Rejected,
+    Retry,
+    SettlementLost,
+    StatementSwallowed,
+)
 from worker.health import DatabaseHealth
 from worker.logs import get_logger
 from worker.registry import Context, Handler, Registry
@@ -47,24 +68,37 @@ if TYPE_CHECKING:
 
 ACK, NACK, DEAD_LETTER = "ack", "nack", "dead-letter"
 
+_GIVE_BACK_DELAY = 1.0
+"""Seconds before an uncounted give-back (pause, contention, shutdown) comes back."""
+
 
 class _Verdict:
     """How one handler's work on a delivery ended."""
 
-    __slots__ = ("delay", "outcome", "reason", "verb")
+    __slots__ = ("counted", "delay", "outcome", "reason", "verb")
 
     def __init__(
-        self, verb: str, outcome: str, reason: str | None = None, delay: float | None = None
+        self,
+        verb: str,
+        outcome: str,
+        reason: str | None = None,
+        delay: float | None = None,
+        *,
+        counted: bool = True,
     ) -> None:
         self.verb = verb
         self.outcome = outcome
         self.reason = reason
         self.delay = delay
+        self.counted = counted
 
 
 _COMMITTED = _Verdict(ACK, "committed")
 _DUPLICATE = _Verdict(ACK, "duplicate")
-_PAUSED = _Verdict(NACK, "paused")
+_PAUSED = _Verdict(NACK, "paused", "database unavailable", _GIVE_BACK_DELAY, counted=False)
+_STOPPING = _Verdict(NACK, "shutdown", "the worker is stopping", 0.0, counted=False)
+
+_Decoded = dict[type[BaseModel], BaseModel]
 
 
 class Pump:
@@ -85,10 +119,16 @@ class Pump:
         self.stats: Counter[str] = Counter()
         self._engine = engine
         self._sessions = session_factory(engine)
+        self._postgres = engine.dialect.name == "postgresql"
+        self._lock_timeout_ms = max(1, round(settings.marker_lock_timeout * 1000))
         self._log = get_logger(pump=name, broker=broker.name)
         self.health = DatabaseHealth(engine, self._log, settings.db_probe_backoff_max)
         self._stop = asyncio.Event()
         self._idle: set[asyncio.Task[None]] = set()
+        self._held: set[Delivery] = set()  # taken from the broker and not settled yet
+        # Per-key lanes: key -> deliveries waiting behind the one running for that key.
+        self._lanes: dict[Hashable, deque[tuple[Delivery, tuple[Handler[Any], ...], _Decoded]]]
+        self._lanes = {}
         self.started = asyncio.Event()
         self.running = False
         # Instrumentation: plain tallies, read by worker.metrics at scrape time.
@@ -109,6 +149,13 @@ class Pump:
             self.running and not self._stop.is_set() and self.broker.ready and self.health.available
         )
 
+    @property
+    def prefetch(self) -> int:
+        """Unsettled deliveries the broker may push: twice the workers when keys serialize,
+        so deliveries parked behind a busy key leave room for other keys."""
+        concurrency = self.settings.concurrency
+        return 2 * concurrency if self.registry.keyed else concurrency
+
     def stop(self) -> None:
         """Ask for a graceful stop; :meth:`run` returns once in-flight work is settled."""
         self._stop.set()
@@ -120,7 +167,7 @@ class Pump:
                 loop.add_signal_handler(sig, self.stop)
         prepare_models(self._engine.dialect.name)  # refuses unusable tokens before any work
         concurrency = self.settings.concurrency
-        await self.broker.start(prefetch=concurrency)
+        await self.broker.start(prefetch=self.prefetch)
         self.running = True
         self.started.set()
         self._log.info("pump started", concurrency=concurrency, types=self.registry.message_types)
@@ -138,8 +185,8 @@ class Pump:
 
     async def _shutdown(self, workers: list[asyncio.Task[None]]) -> None:
         # Order matters: stop taking work, let in-flight work finish within the
-        # grace period, cancel what is left (unsettled, so the broker redelivers
-        # it and the inbox absorbs whatever did commit), then close the broker.
+        # grace period, cancel what is left, give back (uncounted) whatever is still
+        # unsettled, so a rolling restart costs no message a delivery, then close.
         self._log.info("pump stopping", in_flight=len(workers) - len(self._idle))
         self._stop.set()
         await self.broker.stop_receiving()
@@ -151,6 +198,9 @@ class Pump:
         await asyncio.gather(*workers, return_exceptions=True)
         if late:
             self._log.warning("grace period over, cancelled in-flight work", cancelled=len(late))
+        for delivery in list(self._held):  # cancelled mid-attempt, or parked behind a key
+            if delivery.settled is None:
+                await self._settle_guarded(delivery, _STOPPING)
         await self.broker.close()
         await self.health.close()
         self.running = False
@@ -170,41 +220,54 @@ class Pump:
                 await asyncio.sleep(1.0)
                 continue
             idle.discard(task)  # from here on, shutdown waits for this delivery
+            self._held.add(delivery)
             if not self.health.available:  # the gate closed while this loop was waiting:
                 await self.health.wait_available()  # hold the delivery, don't burn a count
-            self.in_flight += 1
-            try:
-                if self.tracing is None:
-                    await self._handle(delivery)
-                else:
-                    await self.tracing.delivery(delivery, self._handle)
-            except Exception:  # the pump must outlive any bug in a handler or adapter
-                self._log.exception("unexpected error", message_id=delivery.message_id)
-                if delivery.settled is None:
-                    await self._settle(delivery, _Verdict(NACK, "nacked", "unexpected error"))
-            finally:
-                self.in_flight -= 1
+            await self._one(delivery)
+
+    async def _one(
+        self, delivery: Delivery, work: Callable[[Delivery], Awaitable[None]] | None = None
+    ) -> None:
+        """Handle one delivery; whatever goes wrong, it ends settled or is logged loudly."""
+        work = self._handle if work is None else work
+        self.in_flight += 1
+        try:
+            if self.tracing is None:
+                await work(delivery)
+            else:
+                await self.tracing.delivery(delivery, work)
+        except AlreadySettled as exc:  # a bug in the pump or an adapter: never a success
+            self.stats["settled-twice"] += 1
+            self._log.error(
+                "bug: delivery settled twice",
+                message_id=delivery.message_id,
+                outcome="settled-twice",
+                error=exc,
+                exc_info=exc,
+            )
+        except Exception:  # the pump must outlive any bug in a handler or adapter
+            self._log.exception("unexpected error", message_id=delivery.message_id)
+            if delivery.settled is None:
+                await self._settle_guarded(delivery, _Verdict(NACK, "nacked", "unexpected error"))
+        finally:
+            self.in_flight -= 1
+            if delivery.settled is not None:
+                self._held.discard(delivery)
 
     # -- one delivery -----------------------------------------------------------
 
     async def _handle(self, delivery: Delivery) -> None:
-        settings = self.settings
         if delivery.message_id is None:
             return await self._settle(delivery, _Verdict(DEAD_LETTER, "poison", "no message id"))
         if len(delivery.message_id) > inbox.MESSAGE_ID_LENGTH:
             reason = f"message id longer than {inbox.MESSAGE_ID_LENGTH} characters"
             return await self._settle(delivery, _Verdict(DEAD_LETTER, "poison", reason))
-        if delivery.delivery_count > settings.max_deliveries:
-            limit = settings.max_deliveries
-            reason = f"delivered {delivery.delivery_count} times (WORKER_MAX_DELIVERIES={limit})"
-            return await self._settle(delivery, _Verdict(DEAD_LETTER, "exhausted", reason))
         handlers = self.registry.for_type(delivery.type)
         if not handlers:
             reason = f"no handler for message type {delivery.type!r}"
             return await self._settle(delivery, _Verdict(DEAD_LETTER, "poison", reason))
-
-        verdict = _COMMITTED
-        decoded: dict[type[BaseModel], BaseModel] = {}
+        decoded: _Decoded = {}
+        key: Hashable = None
         for handler in handlers:
             message = decoded.get(handler.model)
             if message is None:
@@ -215,10 +278,81 @@ class Pump:
                 except ValidationError as exc:
                     reason = f"invalid body for {delivery.type}: {_first_error(exc)}"
                     return await self._settle(delivery, _Verdict(DEAD_LETTER, "poison", reason))
-            verdict = await self._consume_observed(delivery, handler, message)
+            if key is None and handler.key is not None:
+                try:
+                    key = handler.key(message)
+                except Exception as exc:
+                    reason = f"{handler.consumer}: key function failed: {type(exc).__name__}: {exc}"
+                    return await self._settle(delivery, _Verdict(DEAD_LETTER, "poison", reason))
+        if key is None:
+            return await self._process(delivery, handlers, decoded)
+        lane = self._lanes.get(key)
+        if lane is not None:  # the key is busy: wait in its lane, and free this worker
+            lane.append((delivery, handlers, decoded))
+            self.stats["parked"] += 1
+            return None
+        await self._run_lane(key, delivery, handlers, decoded)
+        return None
+
+    async def _run_lane(
+        self,
+        key: Hashable,
+        delivery: Delivery,
+        handlers: tuple[Handler[Any], ...],
+        decoded: _Decoded,
+    ) -> None:
+        """Run ``delivery``, then every delivery that parked behind its key, in order."""
+        lane = self._lanes[key] = deque()
+        try:
+            await self._process(delivery, handlers, decoded)
+            while lane:
+                parked, parked_handlers, parked_decoded = lane.popleft()
+                if self._stop.is_set():
+                    await self._settle_guarded(parked, _STOPPING)
+                    self._held.discard(parked)
+                    continue
+                await self._one(parked, _bind(self._process, parked_handlers, parked_decoded))
+        finally:
+            del self._lanes[key]
+            # cancelled at shutdown: what still waits here is given back by _shutdown
+
+    async def _process(
+        self, delivery: Delivery, handlers: tuple[Handler[Any], ...], decoded: _Decoded
+    ) -> None:
+        """Run the type's handlers in order (each its own transaction), then settle once."""
+        if delivery.delivery_count > self.settings.max_deliveries:
+            return await self._settle(delivery, await self._over_limit(delivery, handlers))
+        verdict = _COMMITTED
+        for handler in handlers:
+            verdict = await self._consume_observed(delivery, handler, decoded[handler.model])
             if verdict.verb != ACK:
                 break  # later handlers run on the redelivery; earlier ones are deduplicated
         await self._settle(delivery, verdict)
+        return None
+
+    async def _over_limit(self, delivery: Delivery, handlers: tuple[Handler[Any], ...]) -> _Verdict:
+        """Past WORKER_MAX_DELIVERIES: done already (its ack was lost), or dead-letter it."""
+        message_id = delivery.message_id
+        assert message_id is not None
+        marked = [h for h in handlers if h.inbox]
+        if marked and len(marked) == len(handlers):
+            session = self._sessions()
+            try:
+                done = [await inbox.seen(session, message_id, h.consumer) for h in marked]
+            except Exception as exc:
+                verdict = await self._database_trouble(delivery, marked[0], 1, exc)
+                if verdict is not None:
+                    return verdict
+                return _Verdict(NACK, "failed", f"inbox check failed: {exc}")
+            finally:
+                await _discard(session)
+            if all(done):
+                self.stats["duplicates-fast-path"] += 1
+                self._note(delivery, marked[0].consumer, 0, "duplicate", fast_path=True)
+                return _DUPLICATE
+        limit = self.settings.max_deliveries
+        reason = f"delivered {delivery.delivery_count} times (WORKER_MAX_DELIVERIES={limit})"
+        return _Verdict(DEAD_LETTER, "exhausted", reason)
 
     async def _consume_observed(
         self, delivery: Delivery, handler: Handler[Any], message: BaseModel
@@ -245,18 +379,16 @@ class Pump:
         message_id = delivery.message_id
         assert message_id is not None
         consumer = handler.consumer
-        fast_path = settings.fast_path and delivery.redelivered and handler.inbox
+        timeout = settings.handler_timeout
         attempt = 0
+        deadline = 0.0
         while True:
             attempt += 1
             session: PumpSession = self._sessions()
             spent = True
             try:
-                if fast_path and await inbox.seen(session, message_id, consumer):
-                    self._note(delivery, consumer, attempt, "duplicate", fast_path=True)
-                    return _DUPLICATE
-                if handler.inbox:
-                    await inbox.mark(session, message_id, consumer)
+                if handler.inbox and await self._mark(session, delivery, consumer):
+                    return self._fast_duplicate(delivery, consumer, attempt)
                 context = Context(
                     session,
                     message_id,
@@ -265,11 +397,21 @@ class Pump:
                     attempt,
                     delivery.headers,
                 )
-                running = HANDLER_RUNNING.set(True)
+                run = HandlerRun()
+                running = HANDLER_RUNNING.set(run)
                 try:
-                    await handler.func(context, message)
+                    if timeout is None:
+                        await handler.func(context, message)
+                    else:
+                        await _with_timeout(handler.func(context, message), timeout)
                 finally:
                     HANDLER_RUNNING.reset(running)
+                if run.failures:
+                    raise StatementSwallowed(
+                        "a statement failed inside the handler and the handler carried on; "
+                        "the transaction is aborted: catch database errors inside "
+                        "`async with ctx.session.begin_nested():` instead"
+                    ) from run.failures[0]
                 await AsyncSession.commit(session)
                 # Committed: the connection is back in the pool and nothing is left to
                 # roll back, so the session is dropped unclosed (one greenlet hop less).
@@ -282,43 +424,147 @@ class Pump:
                 self._note(delivery, consumer, attempt, "retry-requested", reason=str(exc))
                 return _Verdict(NACK, "retry-requested", str(exc), exc.delay)
             except Exception as exc:
-                verdict = await self._after_failure(delivery, handler, attempt, session, exc)
+                if attempt == 1:
+                    deadline = time.monotonic() + settings.retry_budget
+                verdict = await self._after_failure(
+                    delivery, handler, attempt, deadline, session, exc
+                )
                 if verdict is not None:
                     return verdict
             finally:
                 if spent:
                     await _discard(session)
 
+    async def _mark(self, session: PumpSession, delivery: Delivery, consumer: str) -> bool:
+        """Insert the inbox marker; True instead when the fast path finds it there already.
+
+        Only a redelivery can be a broker-made duplicate of finished work, so a first
+        delivery goes straight to the insert.
+        """
+        message_id = delivery.message_id
+        assert message_id is not None
+        if not delivery.redelivered:
+            await inbox.mark(session, message_id, consumer)
+            return False
+        fast_path = self.settings.fast_path
+        if self._postgres:
+            return await inbox.mark_redelivery(
+                session, message_id, consumer, self._lock_timeout_ms, fast_path=fast_path
+            )
+        if fast_path and await inbox.seen(session, message_id, consumer):
+            return True
+        await inbox.mark(session, message_id, consumer)
+        return False
+
+    def _fast_duplicate(self, delivery: Delivery, consumer: str, attempt: int) -> _Verdict:
+        self.stats["duplicates-fast-path"] += 1
+        self._note(delivery, consumer, attempt, "duplicate", fast_path=True)
+        return _DUPLICATE
+
     async def _after_failure(
         self,
         delivery: Delivery,
         handler: Handler[Any],
         attempt: int,
+        deadline: float,
         session: AsyncSession,
         exc: Exception,
     ) -> _Verdict | None:
         """Decide after a failed attempt: a verdict, or None after backing off to retry."""
         consumer = handler.consumer
-        failure = classify(exc)
-        final = await self._final(delivery, handler, attempt, session, exc, failure)
+        swallowed = isinstance(exc, StatementSwallowed)
+        cause = exc.__cause__ if swallowed and isinstance(exc.__cause__, Exception) else exc
+        failure = classify(cause)
+        if swallowed:
+            self._log.error(
+                "handler swallowed a database error",
+                message_id=delivery.message_id,
+                consumer=consumer,
+                attempt=attempt,
+                outcome="swallowed",
+                error=cause,
+                hint=str(exc),
+            )
+            if failure is Failure.DUPLICATE:  # not the pump's marker: the handler's own insert
+                failure = Failure.ERROR
+        final = await self._final(delivery, handler, attempt, session, cause, failure)
         if final is not None:
             return final
-        if failure is Failure.CONNECTION:
-            if not await self.health.confirm():
-                self._note(delivery, consumer, attempt, "paused", error=exc)
-                return _PAUSED
-        elif failure is not Failure.CONFLICT and failure is not Failure.TRANSIENT:
+        if failure is Failure.CONFLICT or failure is Failure.TRANSIENT:
+            return await self._contended(
+                delivery, consumer, attempt, deadline, session, failure, cause
+            )
+        if failure is Failure.ERROR:
             return self._failed(delivery, consumer, attempt, exc)
+        verdict = await self._database_trouble(delivery, handler, attempt, cause, failure)
+        if verdict is not None:
+            return verdict
+        # a dropped connection, and the database answers: retry, a bounded number of times
+        if attempt >= self.settings.max_attempts:
+            self._note(delivery, consumer, attempt, "attempts-exhausted", error=cause)
+            return _Verdict(NACK, "attempts-exhausted", f"{failure.value}: {cause}")
+        self.stats[f"retried-{failure.value}"] += 1
+        await _discard(session)
         settings = self.settings
-        if attempt >= settings.max_attempts:
+        await asyncio.sleep(backoff(attempt, settings.retry_backoff, settings.retry_backoff_max))
+        return None
+
+    async def _contended(
+        self,
+        delivery: Delivery,
+        consumer: str,
+        attempt: int,
+        deadline: float,
+        session: AsyncSession,
+        failure: Failure,
+        exc: Exception,
+    ) -> _Verdict | None:
+        """Someone else committed first: retry on a fresh session until the budget is spent."""
+        settings = self.settings
+        pause = backoff(attempt, settings.retry_backoff, settings.retry_backoff_max)
+        if time.monotonic() + pause > deadline:
             self._note(delivery, consumer, attempt, "attempts-exhausted", error=exc)
-            return _Verdict(NACK, "attempts-exhausted", f"{failure.value}: {exc}")
+            reason = f"{failure.value}: retry budget of {settings.retry_budget}s spent: {exc}"
+            return _Verdict(NACK, "attempts-exhausted", reason, _GIVE_BACK_DELAY, counted=False)
         self.stats[f"retried-{failure.value}"] += 1
         self._note(delivery, consumer, attempt, "retrying", failure=failure.value)
         # end the failed transaction before backing off: on PostgreSQL it may still hold
         # the marker's key, which a replica racing for the same message would wait on
         await _discard(session)
-        await asyncio.sleep(backoff(attempt, settings.retry_backoff, settings.retry_backoff_max))
+        await asyncio.sleep(pause)
+        return None
+
+    async def _database_trouble(
+        self,
+        delivery: Delivery,
+        handler: Handler[Any],
+        attempt: int,
+        exc: Exception,
+        failure: Failure | None = None,
+    ) -> _Verdict | None:
+        """Not the message's fault: a verdict that spends no delivery, or None to retry."""
+        failure = classify(exc) if failure is None else failure
+        consumer = handler.consumer
+        if failure is Failure.LOCKED:
+            self._note(delivery, consumer, attempt, "in-progress", error=exc)
+            reason = "the same message is in progress elsewhere"
+            return _Verdict(
+                NACK, "in-progress", reason, self.settings.marker_lock_timeout, counted=False
+            )
+        if failure is Failure.SCHEMA:
+            self.health.pause_for_schema(exc)
+            self._note(delivery, consumer, attempt, "paused", error=exc)
+            return _Verdict(
+                NACK, "paused", "schema behind the code", _GIVE_BACK_DELAY, counted=False
+            )
+        if failure is Failure.CONNECTION:
+            if not await self.health.confirm():
+                self._note(delivery, consumer, attempt, "paused", error=exc)
+                return _PAUSED
+            return None
+        if failure is Failure.DATA:
+            reason = f"{consumer}: the database refuses a value: {type(exc).__name__}: {exc}"
+            return _Verdict(DEAD_LETTER, "poison", reason)
         return None
 
     async def _final(
@@ -332,6 +578,7 @@ class Pump:
     ) -> _Verdict | None:
         """The errors that end a delivery without a retry: duplicate, rejected, row deleted."""
         if failure is Failure.DUPLICATE:
+            self.stats["duplicates-constraint"] += 1
             self._note(delivery, handler.consumer, attempt, "duplicate")
             return _DUPLICATE
         rejected = exc if isinstance(exc, Rejected) else None
@@ -351,12 +598,13 @@ class Pump:
                 self._sessions, handler, message, delivery, self.settings, self._log
             )
         except Exception as exc:
-            if classify(exc) is Failure.CONNECTION and not await self.health.confirm():
-                self._note(delivery, handler.consumer, 1, "paused", error=exc)
-                return _PAUSED
-            return self._failed(delivery, handler.consumer, 1, exc)
+            verdict = await self._database_trouble(delivery, handler, 1, exc)
+            return (
+                verdict if verdict is not None else self._failed(delivery, handler.consumer, 1, exc)
+            )
         self._note(delivery, handler.consumer, 1, result.outcome, reason=result.reason)
-        return _Verdict(result.verb, result.outcome, result.reason, result.delay)
+        counted = getattr(result, "counted", True)
+        return _Verdict(result.verb, result.outcome, result.reason, result.delay, counted=counted)
 
     async def _rejected(
         self, delivery: Delivery, handler: Handler[Any], attempt: int, exc: Rejected
@@ -374,11 +622,12 @@ class Pump:
                 with_marker=handler.inbox,
             )
         except Exception as error:
-            if classify(error) is Failure.CONNECTION and not await self.health.confirm():
-                self._note(delivery, consumer, attempt, "paused", error=error)
-                return _PAUSED
-            return self._failed(delivery, consumer, attempt, error)
+            verdict = await self._database_trouble(delivery, handler, attempt, error)
+            return (
+                verdict if verdict is not None else self._failed(delivery, consumer, attempt, error)
+            )
         if not recorded:
+            self.stats["duplicates-constraint"] += 1
             self._note(delivery, consumer, attempt, "duplicate")
             return _DUPLICATE
         self._note(
@@ -431,7 +680,11 @@ class Pump:
         )
 
     async def _settle(self, delivery: Delivery, verdict: _Verdict) -> None:
-        """The one place a delivery is settled. A lost settlement is never a success."""
+        """The one place a delivery is settled. A lost settlement is never a success.
+
+        A second settlement of one delivery raises :class:`AlreadySettled`: a bug,
+        reported loudly by the caller, never mistaken for a lost settlement.
+        """
         # Not shielded: the only cancellation is the shutdown's after its grace
         # period, and an ack cut short is a redelivery that the inbox absorbs.
         verb = verdict.verb
@@ -441,11 +694,11 @@ class Pump:
             if verb == ACK:
                 await delivery.ack()
             elif verb == NACK:
-                await delivery.nack(verdict.delay)
+                await delivery.nack(verdict.delay, counted=verdict.counted)
             else:
                 assert verdict.reason is not None
                 await delivery.dead_letter(verdict.reason)
-        except (SettlementLost, WorkerError) as exc:
+        except SettlementLost as exc:
             self.stats["settlement-lost"] += 1
             self._log.warning(
                 "settlement lost, broker will redeliver",
@@ -466,12 +719,45 @@ class Pump:
                 outcome=verdict.outcome,
             )
 
+    async def _settle_guarded(self, delivery: Delivery, verdict: _Verdict) -> None:
+        """A fallback settlement: it may fail (an adapter bug), but never ends a worker loop."""
+        try:
+            await self._settle(delivery, verdict)
+        except Exception as exc:
+            self.stats["settlement-failed"] += 1
+            self._log.error(
+                "fallback settlement failed, broker will redeliver",
+                message_id=delivery.message_id,
+                verb=verdict.verb,
+                outcome="settlement-failed",
+                error=exc,
+            )
+
+
+def _bind(
+    process: Callable[[Delivery, tuple[Handler[Any], ...], _Decoded], Awaitable[None]],
+    handlers: tuple[Handler[Any], ...],
+    decoded: _Decoded,
+) -> Callable[[Delivery], Awaitable[None]]:
+    async def work(delivery: Delivery) -> None:
+        await process(delivery, handlers, decoded)
+
+    return work
+
+
+async def _with_timeout(call: Any, seconds: float) -> None:
+    try:
+        async with asyncio.timeout(seconds):
+            await call
+    except TimeoutError as exc:
+        raise HandlerTimeout(f"handler ran longer than WORKER_HANDLER_TIMEOUT={seconds}s") from exc
+
 
 async def _discard(session: AsyncSession) -> None:
     """Close an attempt's session (rolling back what did not commit), whatever state it is in."""
     try:
         await AsyncSession.close(session)
-    except Exception:  # a broken connection can fail its own rollback; the pool drops it
+    except Exception:  # a broken connection can fail its own rollback; the pump drops it
         await AsyncSession.invalidate(session)
 
 

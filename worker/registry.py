@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -77,7 +77,6 @@ class Context:
         )
 
 
-
 HandlerFunc = Callable[[Context, M], Awaitable[None]]
 
 
@@ -89,6 +88,7 @@ class Handler(Generic[M]):
     consumer: str
     inbox: bool
     side_effect: bool = False
+    key: Callable[[M], Hashable] | None = None
 
 
 class Registry:
@@ -105,6 +105,7 @@ class Registry:
         consumer: str | None = None,
         inbox: bool = True,
         side_effect: bool = False,
+        key: Callable[[M], Hashable] | None = None,
     ) -> Callable[[HandlerFunc[M]], HandlerFunc[M]]:
         """Register ``func`` for ``message_type``.
 
@@ -114,6 +115,13 @@ class Registry:
         idempotent by nature (an upsert of an absolute value) out of the inbox.
         ``side_effect=True`` makes it a two-phase claim handler for calls that
         cannot join the transaction (see :mod:`worker.claims`).
+
+        ``key`` serializes work inside the process: deliveries whose messages map to
+        equal keys (``key=lambda m: m.account_id``) run one after another, in the
+        order they arrived, while other keys run in parallel. Use it for hot rows:
+        writers of one row then queue instead of colliding on its version token.
+        Keys are shared across message types, so two types that write the same row
+        should return the same key for it.
         """
         if side_effect and not inbox:
             raise ConfigurationError(f"{message_type}: a side-effect handler needs the inbox")
@@ -122,7 +130,7 @@ class Registry:
             name = consumer or f"{func.__module__}.{func.__qualname__}"
             if name in self.consumers():
                 raise ConfigurationError(f"consumer name {name!r} is registered twice")
-            entry: Handler[M] = Handler(message_type, model, func, name, inbox, side_effect)
+            entry: Handler[M] = Handler(message_type, model, func, name, inbox, side_effect, key)
             self._by_type[message_type] = (*self._by_type.get(message_type, ()), entry)
             return func
 
@@ -130,6 +138,11 @@ class Registry:
 
     def for_type(self, message_type: str | None) -> tuple[Handler[Any], ...]:
         return self._by_type.get(message_type, ()) if message_type else ()
+
+    @property
+    def keyed(self) -> bool:
+        """Whether any handler serializes by key (the pump then prefetches more)."""
+        return any(h.key is not None for h in self)
 
     def consumers(self) -> set[str]:
         return {h.consumer for group in self._by_type.values() for h in group}

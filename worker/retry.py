@@ -11,4 +11,4 @@ def backoff(attempt: int, base: float, cap: float) -> float:
     Full jitter keeps replicas that collided on a hot row from colliding again
     in lockstep, which is how an unbounded retry turns into a livelock.
     """
-    return random.uniform(0.0, min(cap, base * (1 << max(0, attempt - 1))))
+    return random.uniform(0.0, min(cap, base * (1 << min(max(0, attempt - 1), 30))))

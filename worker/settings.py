@@ -8,6 +8,9 @@ naming the variable.
 
 from __future__ import annotations
 
+import difflib
+import os
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Literal, TypeVar
 
@@ -33,7 +36,27 @@ class Settings(BaseSettings):
     broker: Literal["memory", "rabbitmq", "kafka", "servicebus"] = "memory"
     handlers: str = Field("handlers", description="Comma-separated modules that register handlers.")
     concurrency: int = Field(16, ge=1, le=1024, description="Deliveries processed at once.")
-    max_attempts: int = Field(5, ge=1, le=100, description="In-process attempts per delivery.")
+    max_attempts: int = Field(
+        5, ge=1, le=100, description="In-process attempts after a dropped database connection."
+    )
+    retry_budget: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds a delivery may spend retrying version conflicts, serialization "
+        "failures and deadlocks in process before it is given back (uncounted).",
+    )
+    handler_timeout: float | None = Field(
+        300.0, gt=0, description="Seconds one handler attempt may run before it is cancelled."
+    )
+    marker_lock_timeout: float = Field(
+        5.0,
+        gt=0,
+        description="PostgreSQL: seconds a redelivery's marker waits for the same message "
+        "in progress elsewhere before it is given back (uncounted).",
+    )
+    refuse_unknown_variables: bool = Field(
+        False, description="Stop at start on a WORKER_* variable no setting knows."
+    )
     max_deliveries: int = Field(5, ge=1, le=1000, description="Deliveries before dead-lettering.")
     retry_backoff: float = Field(0.02, ge=0, description="Base of the jittered backoff, seconds.")
     retry_backoff_max: float = Field(1.0, ge=0, description="Cap of the jittered backoff, seconds.")
@@ -118,6 +141,18 @@ class Settings(BaseSettings):
         None, description="'module:function' that extracts the dedup key from a raw message."
     )
     db_pool_size: int | None = Field(None, ge=1, description="Default: concurrency + 2.")
+    db_max_overflow: int = Field(
+        2,
+        ge=0,
+        le=1000,
+        description="Connections a pod may open beyond the pool for a moment; "
+        "(pool + overflow) x pods must fit max_connections (deploy/README.md).",
+    )
+    allow_sqlite_with_network_broker: bool = Field(
+        False,
+        description="Let `worker run` use an SQLite URL with RabbitMQ, Kafka or Service Bus "
+        "(one host sharing one file; never in Kubernetes, where each pod gets its own).",
+    )
     db_probe_backoff_max: float = Field(5.0, gt=0, description="Cap between database probes.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["auto", "json", "console"] = "auto"
@@ -152,12 +187,67 @@ class Settings(BaseSettings):
         return self.db_pool_size or self.concurrency + 2
 
 
-def load(cls: type[S]) -> S:
-    """Instantiate a settings class from the environment, or raise a one-line error."""
+def load(cls: type[S], *, check: bool = True) -> S:
+    """Instantiate a settings class from the environment, or raise a one-line error.
+
+    ``check``: also report ``WORKER_*`` variables that no field of ``cls`` knows
+    (:func:`check_environment`); ``worker`` calls it itself for the core settings,
+    once logging is configured.
+    """
     try:
-        return cls()
+        settings = cls()
     except ValidationError as exc:
         raise ConfigurationError(describe(exc, cls)) from None
+    if check:
+        check_environment(cls)
+    return settings
+
+
+# Prefixes that belong to other settings classes (adapters, the outbox, the test suite):
+# the core Settings leaves their variables to them.
+_OWNED_PREFIXES = (
+    "WORKER_RABBITMQ_",
+    "WORKER_KAFKA_",
+    "WORKER_SERVICEBUS_",
+    "WORKER_OUTBOX_",
+    "WORKER_TEST_",
+)
+
+
+def unknown_variables(
+    cls: type[BaseSettings], environ: Mapping[str, str] | None = None
+) -> list[str]:
+    """``WORKER_*`` names in the environment that no field of ``cls`` reads, with a hint."""
+    environ = os.environ if environ is None else environ
+    prefix = str(cls.model_config.get("env_prefix", "")).upper()
+    known = {prefix + name.upper() for name in cls.model_fields}
+    others = tuple(p for p in _OWNED_PREFIXES if p != prefix and p.startswith(prefix))
+    problems = []
+    for name in sorted(environ):
+        upper = name.upper()
+        if not upper.startswith(prefix) or upper.startswith(others) or upper in known:
+            continue
+        close = difflib.get_close_matches(upper, known, n=1)
+        problems.append(f"{name} (did you mean {close[0]}?)" if close else name)
+    return problems
+
+
+def check_environment(cls: type[BaseSettings]) -> None:
+    """Warn about unknown ``WORKER_*`` variables, or refuse them (WORKER_REFUSE_UNKNOWN_VARIABLES).
+
+    A typo such as ``WORKER_CONCURENCY=64`` would otherwise change nothing and say nothing.
+    """
+    unknown = unknown_variables(cls)
+    if not unknown:
+        return
+    refuse = os.environ.get("WORKER_REFUSE_UNKNOWN_VARIABLES", "").strip().lower()
+    if refuse in ("1", "true", "yes", "on"):
+        raise ConfigurationError(
+            "unknown variables (WORKER_REFUSE_UNKNOWN_VARIABLES is set): " + ", ".join(unknown)
+        )
+    from worker.logs import get_logger
+
+    get_logger().warning("unknown WORKER_ variables ignored", variables=unknown)
 
 
 def describe(exc: ValidationError, cls: type[BaseSettings]) -> str:

@@ -4,8 +4,8 @@ It behaves like RabbitMQ with manual acks, and it can be told to misbehave the
 ways real brokers do:
 
 - ``ack``: the message is gone. ``nack``: it comes back (after ``delay``), with
-  the delivery count + 1. ``dead_letter``: it moves to :attr:`MemoryBroker.dead_letters`
-  with the reason.
+  the delivery count + 1 (unchanged for ``counted=False``). ``dead_letter``: it
+  moves to :attr:`MemoryBroker.dead_letters` with the reason.
 - A consumer that closes or :meth:`~MemoryConsumer.crash`-es without settling
   gives its unsettled messages back; with ``visibility_timeout`` set, a delivery
   not settled in time is re-offered and its late settlement raises
@@ -245,11 +245,12 @@ class MemoryConsumer:
         return await self._inbox.get()
 
     async def stop_receiving(self) -> None:
-        """Stop new pushes; what was pushed but not yet taken goes back to the queue."""
+        """Stop new pushes; what was pushed but not yet taken goes back, uncounted."""
         self.consuming = False
         while not self._inbox.empty():
             flight: _Flight = self._inbox.get_nowait()._handle
             self.broker._end(flight)
+            flight.message.delivery_count -= 1
             self.broker._requeue(flight.message, 0.0)
         self.broker._dispatch()
 
@@ -298,6 +299,9 @@ class MemoryConsumer:
         broker._end(handle)
         broker.history.append(("nack", handle.message.message_id, handle.message.delivery_count))
         broker.stats["nacked"] += 1
+        if not counted:  # the next hand-over adds one back: the count stays where it is
+            handle.message.delivery_count -= 1
+            broker.stats["nacked_uncounted"] += 1
         broker._requeue(handle.message, broker.redelivery_delay if delay is None else delay)
         broker._dispatch()
 
