@@ -45,3 +45,24 @@ async def apply_credit(ctx: Context, message: CreditRequested) -> None:
         await session.execute(insert_ignoring_conflicts(session, Account).values(new))
         account = await session.get_one(Account, message.account_id)
     account.balance += message.amount
+
+
+class CreditApplied(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    credit_id: str
+    account_id: str
+    amount: Decimal
+
+
+async def apply_credit_and_announce(ctx: Context, message: CreditRequested) -> None:
+    """:func:`apply_credit`, then a ``CreditApplied`` event through the outbox.
+
+    Not registered by default (``worker demo`` registers it): the event commits with
+    the credit or not at all, and the relay sends it after the commit.
+    """
+    await apply_credit(ctx, message)
+    event = CreditApplied(
+        credit_id=ctx.message_id, account_id=message.account_id, amount=message.amount
+    )
+    await ctx.publish("CreditApplied", event, key=message.account_id)

@@ -6,11 +6,18 @@ both replicas at once, and loses some acks (a replica "crashing" between its
 commit and its ack). The same stream runs twice: through a naive
 check-then-insert handler without a unique constraint or a version token, and
 through the real pump.
+
+A second table does the same for events a handler publishes ("credit applied"):
+published from inside the handler, published right after the commit, and through
+the outbox. Some messages fail for good after publishing (dead-lettered), some
+replicas "crash" right after a commit, and the outbox relays crash after the
+broker confirmed a batch but before marking it sent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import tempfile
 import time
@@ -21,9 +28,13 @@ from typing import Any
 
 from sqlalchemy import Column, Integer, MetaData, Numeric, String, Table, func, select
 
-from handlers.credit import Account, CreditRequested, apply_credit
+from handlers.credit import Account, CreditRequested, apply_credit, apply_credit_and_announce
+from worker import outbox
 from worker.brokers.memory import MemoryBroker
+from worker.brokers.publishers import MemoryPublisher
 from worker.db import create_engine
+from worker.errors import Poison
+from worker.inbox import InboxMarker
 from worker.migrate import upgrade
 from worker.pump import Pump
 from worker.registry import Context, Registry
@@ -177,4 +188,174 @@ async def demo(messages: int = 400) -> int:
     print("\nworker: every balance exact" if ok else "\nworker: BALANCES WRONG")
     if naive_balances != expected:
         print("naive: double-credited or lost updates, as the design notes predict")
-    return 0 if ok else 1
+    events_ok = await events_demo(stream)
+    return 0 if ok and events_ok else 1
+
+
+# -- events: publishing from a handler ---------------------------------------------
+
+DOOMED_EVERY = 25  # every 25th credit publishes, then fails for good (dead-lettered)
+
+
+def _doomed(message_id: str) -> bool:
+    return int(message_id.rsplit("-", 1)[1]) % DOOMED_EVERY == DOOMED_EVERY - 1
+
+
+def _event_body(ctx: Context, message: CreditRequested) -> dict[str, Any]:
+    return {"credit_id": ctx.message_id, "account_id": message.account_id}
+
+
+def in_handler_registry(events: MemoryBroker) -> Registry:
+    """Publish straight to the broker from the handler, before the pump commits."""
+    registry = Registry()
+
+    @registry.handler("CreditRequested", CreditRequested, consumer="credit")
+    async def credit(ctx: Context, message: CreditRequested) -> None:
+        await apply_credit(ctx, message)
+        events.publish(f"applied-{ctx.message_id}", "CreditApplied", _event_body(ctx, message))
+        if _doomed(ctx.message_id):
+            raise Poison("credit limit exceeded")
+
+    return registry
+
+
+def after_commit_registry(events: MemoryBroker, crashes: set[str]) -> Registry:
+    """Publish once the commit is done; a replica that dies right then never publishes."""
+    from sqlalchemy import event
+
+    registry = Registry()
+
+    @registry.handler("CreditRequested", CreditRequested, consumer="credit")
+    async def credit(ctx: Context, message: CreditRequested) -> None:
+        await apply_credit(ctx, message)
+        if _doomed(ctx.message_id):
+            raise Poison("credit limit exceeded")
+        body, message_id = _event_body(ctx, message), ctx.message_id
+
+        def publish(_session: Any) -> None:
+            if message_id in crashes:  # the first commit of these is followed by a crash
+                crashes.discard(message_id)
+                return
+            events.publish(f"applied-{message_id}", "CreditApplied", body)
+
+        event.listen(ctx.session.sync_session, "after_commit", publish, once=True)
+
+    return registry
+
+
+def outbox_registry() -> Registry:
+    registry = Registry()
+
+    @registry.handler("CreditRequested", CreditRequested, consumer="credit")
+    async def credit(ctx: Context, message: CreditRequested) -> None:
+        await apply_credit_and_announce(ctx, message)
+        if _doomed(ctx.message_id):
+            raise Poison("credit limit exceeded")
+
+    return registry
+
+
+class CrashingRelay(outbox.Relay):
+    """Dies (leaves its lease) after the broker confirmed a batch, ``crashes`` times."""
+
+    def __init__(self, *args: Any, crashes: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.crashes = crashes
+
+    async def mark_sent(self, ids: Any) -> None:
+        if self.crashes > 0 and ids:
+            self.crashes -= 1
+            return  # confirmed, never marked: the rows go out again after the lease
+        await super().mark_sent(ids)
+
+
+async def _events_run(
+    url: str, registry: Registry, stream: list[Any], events: MemoryBroker, *, relays: bool
+) -> dict[str, Any]:
+    await asyncio.to_thread(upgrade, url)
+    settings = outbox.OutboxSettings(
+        lease=0.5, publish_timeout=0.2, poll_interval=0.05, batch=20, purge_interval=0
+    )
+    outbox.configure(settings)
+    engine = create_engine(url, pool_size=4)
+    running = [
+        CrashingRelay(engine, MemoryPublisher(events), settings, crashes=1, name=f"relay-{i}")
+        for i in range(REPLICAS if relays else 0)
+    ]
+    tasks = [asyncio.create_task(relay.run()) for relay in running]
+    try:
+        result = await run_replicas(url, registry, stream)
+        if relays:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                backlog = await outbox.backlog_of(engine)
+                if backlog.pending == 0:
+                    break
+                await asyncio.sleep(0.05)
+        async with result["engine"].connect() as connection:
+            committed = set((await connection.execute(select(InboxMarker.message_id))).scalars())
+        await result["engine"].dispose()
+    finally:
+        for relay in running:
+            relay.stop()
+        await asyncio.gather(*tasks)
+        await engine.dispose()
+        outbox.configure(None)
+    return {"committed": committed, "events": events, "stats": result["stats"]}
+
+
+def _event_ids(events: MemoryBroker) -> list[str]:
+    ids = []
+    while events.ready:
+        message = events.ready.popleft()
+        body = json.loads(message.body)
+        ids.append(str(body["credit_id"]))
+    return ids
+
+
+async def events_demo(stream: list[Any]) -> bool:
+    """The second table: every applied credit, and only those, yields one event?"""
+    crashes = {
+        message_id for message_id, _, _, misbehaviour in stream if misbehaviour.get("lose_acks")
+    }
+    columns = []
+    with tempfile.TemporaryDirectory(prefix="worker-demo-events-") as tmp:
+        for name in ("in handler", "after commit", "outbox"):
+            events = MemoryBroker()
+            if name == "in handler":
+                registry = in_handler_registry(events)
+            elif name == "after commit":
+                registry = after_commit_registry(events, set(crashes))
+            else:
+                registry = outbox_registry()
+            url = f"sqlite+aiosqlite:///{Path(tmp) / (name.replace(' ', '-') + '.db')}"
+            run = await _events_run(url, registry, stream, events, relays=name == "outbox")
+            received = _event_ids(events)
+            committed = run["committed"]
+            distinct = set(received)
+            columns.append(
+                {
+                    "credits applied": len(committed),
+                    "events delivered": len(received),
+                    "distinct event ids": len(distinct),
+                    "applied, no event (lost)": len(committed - distinct),
+                    "event, never applied": len(distinct - committed),
+                    "duplicates (same id)": len(received) - len(distinct),
+                }
+            )
+    labels = list(columns[0])
+    print(
+        f"\n{'events per applied credit':30} {'in handler':>12} {'after commit':>12} {'outbox':>12}"
+    )
+    for label in labels:
+        print(f"{label:30} " + " ".join(f"{c[label]!s:>12}" for c in columns))
+    real = columns[2]
+    ok = real["applied, no event (lost)"] == 0 and real["event, never applied"] == 0
+    ok = ok and real["distinct event ids"] == real["credits applied"]
+    print(
+        "\noutbox: exactly one event id per applied credit; the repeats carry the same id, "
+        "so a downstream inbox applies each once"
+        if ok
+        else "\noutbox: EVENTS WRONG"
+    )
+    return ok
