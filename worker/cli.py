@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
 import sys
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from worker import logs
 from worker.brokers import OutgoingMessage, open_admin
@@ -18,7 +21,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="worker", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("run", help="consume from WORKER_BROKER until SIGTERM/SIGINT")
-    commands.add_parser("migrate", help="upgrade WORKER_DATABASE_URL to the newest schema")
+    migrate = commands.add_parser(
+        "migrate", help="upgrade WORKER_DATABASE_URL to the newest schema, or wait for it"
+    )
+    gate = migrate.add_mutually_exclusive_group()
+    gate.add_argument("--check", action="store_true", help="exit 0 if at head, 1 if not")
+    gate.add_argument("--wait", action="store_true", help="wait until at head (exit 0)")
+    migrate.add_argument("--timeout", type=float, default=600.0, help="--wait: give up after")
+    migrate.add_argument(
+        "--lock-timeout", type=float, default=5.0, help="seconds a DDL waits for its lock"
+    )
     demo = commands.add_parser(
         "demo", help="the race and its cure, on SQLite and the memory broker"
     )
@@ -46,9 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = load(Settings)
         logs.configure(settings.log_level, settings.log_format)
         if args.command == "run":
-            return asyncio.run(_run(settings))
+            return asyncio.run(_serve(settings))
         if args.command == "migrate":
-            return _migrate(settings)
+            return _migrate(settings, args)
         if args.command == "publish":
             return asyncio.run(_publish(settings, _read_input(args.file)))
         if args.command == "dlq":
@@ -88,13 +100,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-def _migrate(settings: Settings) -> int:
-    from worker.db import redact
-    from worker.migrate import upgrade
+def _migrate(settings: Settings, args: argparse.Namespace) -> int:
+    from worker.migrate import migrate_command
 
-    upgrade(settings.database_url)
-    logs.get_logger().info("migrated", database=redact(settings.database_url))
-    return 0
+    return migrate_command(
+        settings.database_url,
+        check=args.check,
+        wait=args.wait,
+        timeout=args.timeout,
+        lock_timeout=args.lock_timeout,
+    )
 
 
 def read_messages(lines: Iterable[str]) -> list[OutgoingMessage]:
@@ -157,7 +172,72 @@ async def _dlq(settings: Settings, limit: int, *, resubmit: bool) -> int:
     return 0
 
 
-async def _run(settings: Settings) -> int:
+_NETWORK_BROKERS = ("rabbitmq", "kafka", "servicebus")
+
+
+def refuse_pod_local_database(settings: Settings) -> None:
+    """An SQLite file with a networked broker: every replica would keep its own inbox.
+
+    Replicas on several hosts (pods: each has its own /tmp) would then each record
+    their own effects in a file that dies with them, and no two would deduplicate.
+    """
+    if (
+        settings.broker not in _NETWORK_BROKERS
+        or not settings.database_url.startswith("sqlite")
+        or settings.allow_sqlite_with_network_broker
+    ):
+        return
+    source = "set" if "WORKER_DATABASE_URL" in os.environ else "not set: the default"
+    raise ConfigurationError(
+        f"WORKER_DATABASE_URL is an SQLite file ({source}) but WORKER_BROKER={settings.broker}: "
+        "each replica would keep its own inbox. Use a postgresql+asyncpg:// URL, or set "
+        "WORKER_ALLOW_SQLITE_WITH_NETWORK_BROKER=true when every replica shares this one file"
+    )
+
+
+class _Signals:
+    """SIGTERM/SIGINT honoured from the first moment of ``worker run``.
+
+    Until the pump has started, a signal cancels the start-up: a pod stopped while
+    it imports, connects or waits for a silent database must not sit out its grace
+    period (as PID 1 an unhandled SIGTERM is not even delivered). Once the pump
+    runs, a signal asks it for its graceful stop.
+    """
+
+    def __init__(self) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self._pump: Any = None
+        self.cancelled = False
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._received)
+
+    def hand_over(self, pump: Any) -> None:
+        self._pump = pump
+
+    def _received(self) -> None:
+        if self._pump is not None and self._pump.started.is_set():
+            self._pump.stop()
+        elif not self.cancelled:
+            self.cancelled = True
+            self._task.cancel()
+
+
+async def _serve(settings: Settings) -> int:
+    refuse_pod_local_database(settings)
+    signals = _Signals()
+    try:
+        return await _run(settings, signals)
+    except asyncio.CancelledError:
+        if not signals.cancelled:
+            raise
+        logs.get_logger().info("stopped during start-up")
+        return 0
+
+
+async def _run(settings: Settings, signals: _Signals | None = None) -> int:
     from worker import outbox
     from worker.brokers import open_broker
     from worker.db import create_engine, ping, redact
@@ -169,7 +249,11 @@ async def _run(settings: Settings) -> int:
     import_handlers(settings.handler_modules)
     shutdown_tracing = configure_tracing(settings)
     broker = open_broker(settings)
-    engine = create_engine(settings.database_url, pool_size=settings.pool_size)
+    engine = create_engine(
+        settings.database_url,
+        pool_size=settings.pool_size,
+        max_overflow=settings.db_max_overflow,
+    )
     log = logs.get_logger()
     try:
         try:
@@ -183,7 +267,11 @@ async def _run(settings: Settings) -> int:
         relay = outbox.start(settings, engine, broker)  # beside the pump, never in its way
         ops = await start_ops(settings, pump)
         try:
-            await pump.run(install_signal_handlers=True)
+            if signals is None:
+                await pump.run(install_signal_handlers=True)
+            else:
+                signals.hand_over(pump)
+                await pump.run()
         finally:  # probes answer (not ready) until the pump has settled its last delivery
             await outbox.stop(relay)
             if ops is not None:
