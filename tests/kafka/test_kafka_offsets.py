@@ -238,3 +238,35 @@ async def test_an_uncounted_nack_does_not_spend_a_delivery(
             await delivery.nack(0.01, counted=counted)
         counts.append((await receive(broker)).delivery_count)
     assert counts == [1, 1, 1, 2, 2, 3]
+
+
+async def test_the_buffer_is_bounded_in_bytes_not_only_in_records(
+    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
+) -> None:
+    """Issue 15 (suspected, confirmed): 500 buffered 1 MiB records would be 500 MiB."""
+    topic = await new_topic(1)
+    size, count = 100_000, 40
+    await produce(
+        bootstrap, topic, [(None, bytes(size), {"message-id": f"m{n}"}, 0) for n in range(count)]
+    )
+    room, fetch = 300_000, 200_000
+    # Test-broker quirk: Tansu ignores the per-partition fetch size, not the request's.
+    kafka = kafka_settings(
+        topic, max_buffered_bytes=room, max_partition_fetch_bytes=fetch, fetch_max_bytes=fetch
+    )
+    async with started(kafka) as broker:
+        first = await receive(broker)  # held: everything behind it stays buffered
+        await asyncio.sleep(2.0)  # plenty of fetch rounds
+        (partition,) = broker._partitions.values()
+        held = partition.bytes
+        ids, peak = [first.message_id], held
+        await first.ack()
+        for _ in range(count - 1):
+            delivery = await receive(broker)
+            peak = max(peak, partition.bytes)
+            ids.append(delivery.message_id)
+            await delivery.ack()
+    # at most the bound plus one fetch response (a record is never split)
+    assert 0 < held <= room + fetch + size, held
+    assert peak <= room + fetch + size, peak
+    assert ids == [f"m{n}" for n in range(count)]  # pausing lost and reordered nothing

@@ -132,6 +132,15 @@ class KafkaSettings(BaseSettings):
         "earliest", description="Where a group without a committed offset starts."
     )
     max_buffered: int = Field(500, ge=1, description="Fetched records buffered per partition.")
+    max_buffered_bytes: int = Field(
+        8 * 1024 * 1024, ge=1, description="Bytes of fetched records buffered per partition."
+    )
+    max_partition_fetch_bytes: int = Field(
+        1024 * 1024, ge=1024, description="Bytes one fetch asks for per partition."
+    )
+    fetch_max_bytes: int = Field(
+        50 * 1024 * 1024, ge=1024, description="Bytes one fetch asks for in all."
+    )
     idempotent_producer: bool = Field(True, description="Idempotent dead-letter producer.")
     max_request_size: int = Field(
         1_048_576, ge=1024, description="Largest request the dead-letter producer sends, bytes."
@@ -246,11 +255,24 @@ def header_message_id(header: str) -> IdentityFunc:
 class _Partition:
     """What this member knows about one partition it owns, for one assignment."""
 
-    __slots__ = ("busy", "committed", "idle", "owned", "records", "rewind", "settled", "tp")
+    __slots__ = (
+        "busy",
+        "bytes",
+        "committed",
+        "generation",
+        "idle",
+        "owned",
+        "records",
+        "rewind",
+        "settled",
+        "tp",
+    )
 
-    def __init__(self, tp: Any) -> None:
+    def __init__(self, tp: Any, generation: int) -> None:
         self.tp = tp
+        self.generation = generation  # of the group, when this member got the partition
         self.records: deque[Any] = deque()
+        self.bytes = 0  # the size of what ``records`` holds
         self.owned = True
         self.busy = False  # one record handed out and not settled yet
         self.idle = asyncio.Event()
@@ -262,6 +284,26 @@ class _Partition:
     @property
     def label(self) -> str:
         return f"{self.tp.topic}/{self.tp.partition}"
+
+    def push(self, records: Iterable[Any]) -> None:
+        for record in records:
+            self.records.append(record)
+            self.bytes += _size(record)
+
+    def pop(self) -> Any:
+        record = self.records.popleft()
+        self.bytes -= _size(record)
+        return record
+
+    def drop(self) -> None:
+        self.records.clear()
+        self.bytes = 0
+
+
+def _size(record: Any) -> int:
+    """Bytes a buffered record holds: key, value and headers."""
+    size = len(record.key or b"") + len(record.value or b"")
+    return size + sum(len(k) + len(v or b"") for k, v in record.headers or ())
 
 
 class _Handle:
@@ -349,6 +391,8 @@ class KafkaBroker:
             session_timeout_ms=kafka.session_timeout_ms,
             heartbeat_interval_ms=kafka.heartbeat_interval_ms,
             max_poll_interval_ms=kafka.max_poll_interval_ms,
+            max_partition_fetch_bytes=kafka.max_partition_fetch_bytes,
+            fetch_max_bytes=kafka.fetch_max_bytes,
             **options,
         )
         self._consumer.subscribe(kafka.topic_list, listener=_Listener(self))
@@ -450,15 +494,19 @@ class KafkaBroker:
                     continue  # revoked, or about to seek back: fetched again later
                 if not partition.records and partition.settled is None:
                     self._forget_attempts_before(tp, records[0].offset)
-                partition.records.extend(records)
+                partition.push(records)
                 self._offer(partition)
 
     def _flow_control(self) -> None:
-        consumer, limit = self._consumer, self.kafka.max_buffered
+        consumer, limit, room = (
+            self._consumer,
+            self.kafka.max_buffered,
+            self.kafka.max_buffered_bytes,
+        )
         want = {
             tp
             for tp, p in self._partitions.items()
-            if p.rewind is not None or len(p.records) >= limit
+            if p.rewind is not None or len(p.records) >= limit or p.bytes >= room
         }
         paused = set(consumer.paused())
         if want - paused:
@@ -481,7 +529,7 @@ class KafkaBroker:
             self._wakeup.set()
 
     def _hand_out(self, partition: _Partition) -> Delivery:
-        record = partition.records.popleft()
+        record = partition.pop()
         partition.busy = True
         partition.idle.clear()
         attempt = self._attempts.get(partition.tp, {}).get(record.offset, 0) + 1
@@ -548,7 +596,7 @@ class KafkaBroker:
         # Pause now, so that nothing fetched behind the record is handed out;
         # seek back to it once the backoff is over.
         self._consumer.pause(partition.tp)
-        partition.records.clear()
+        partition.drop()
         partition.busy = False
         partition.idle.set()
         loop = asyncio.get_running_loop()
@@ -667,15 +715,27 @@ class KafkaBroker:
             await self._commit(list(self._partitions.values()))
 
     async def _commit(self, partitions: Sequence[_Partition]) -> bool:
-        """Commit each partition's settled prefix; False when the broker refused."""
+        """Commit each partition's settled prefix; False when the broker refused.
+
+        Only for partitions assigned in the member's current generation. A member
+        that lost its membership (the group dropped it: a long stall, a network
+        partition) commits with generation -1, which Kafka accepts when the group
+        is empty at that moment: the offset of another owner's newer work would go
+        backwards. Such a prefix is not committed; the next owner redoes it.
+        """
         async with self._commit_lock:
-            offsets = {
-                p.tp: p.settled
-                for p in partitions
-                if p.settled is not None and p.settled != p.committed
-            }
+            generation = self._generation()
+            pending = [p for p in partitions if p.settled is not None and p.settled != p.committed]
+            stale = [p for p in pending if p.generation != generation or generation < 0]
+            if stale:
+                self._log.warning(
+                    "not committing for a lost membership",
+                    partitions=sorted(p.label for p in stale),
+                    generation=generation,
+                )
+            offsets = {p.tp: p.settled for p in pending if p not in stale}
             if not offsets:
-                return True
+                return not stale
             try:
                 async with asyncio.timeout(self.kafka.commit_timeout):
                     await self._consumer.commit(offsets)
@@ -689,12 +749,18 @@ class KafkaBroker:
                     partition.committed = offsets[partition.tp]
             return True
 
+    def _generation(self) -> int:
+        """The group generation this member is in; -1 when it is in none."""
+        coordinator = getattr(self._consumer, "_coordinator", None)  # no public accessor
+        generation = getattr(coordinator, "generation", -1)
+        return generation if isinstance(generation, int) else -1
+
     def _assign(self, assigned: Iterable[Any]) -> None:
         for tp in assigned:
             previous = self._partitions.get(tp)
             if previous is not None:  # not revoked first: its handles must not commit
                 self._disown(previous)
-            self._partitions[tp] = _Partition(tp)
+            self._partitions[tp] = _Partition(tp, self._generation())
         labels = sorted(p.label for p in self._partitions.values())
         self._log.info("partitions assigned", partitions=labels)
 
@@ -707,7 +773,7 @@ class KafkaBroker:
         if not partitions:
             return
         for partition in partitions:
-            partition.records.clear()
+            partition.drop()
             if partition.rewind is not None:
                 partition.rewind.cancel()
                 partition.rewind = None
@@ -779,7 +845,7 @@ class KafkaBroker:
     def _disown(self, partition: _Partition) -> None:
         """From here on, settlements of its records raise SettlementLost."""
         partition.owned = False
-        partition.records.clear()
+        partition.drop()
         if partition.rewind is not None:
             partition.rewind.cancel()
             partition.rewind = None
