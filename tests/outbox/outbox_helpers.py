@@ -67,3 +67,30 @@ async def outbox_rows(engine: AsyncEngine) -> list[Any]:
             select(OutboxMessage.__table__).order_by(OutboxMessage.id)
         )
         return list(result)
+
+
+async def publish_rows(
+    engine: AsyncEngine,
+    incoming_id: str,
+    events: Sequence[tuple[str, dict[str, Any], str | None, str | None]],
+    *,
+    consumer: str = "test",
+    headers: dict[str, Any] | None = None,
+) -> list[str]:
+    """``ctx.publish`` each (type, body, key, destination) as one handler would, and commit."""
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    from worker.db import session_factory
+    from worker.registry import Context
+
+    session = session_factory(engine)()
+    try:
+        ctx = Context(session, incoming_id, consumer, 1, 1, headers or {})
+        ids = [
+            await ctx.publish(t, body, key=key, destination=destination)
+            for t, body, key, destination in events
+        ]
+        await AsyncSession.commit(session)
+    finally:
+        await AsyncSession.close(session)
+    return ids
