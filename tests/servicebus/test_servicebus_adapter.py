@@ -438,10 +438,11 @@ async def test_shutdown_gives_back_everything_unsettled_at_once(
     held = await take(consumer)  # the pump's: in flight, never settled
     await consumer.stop_receiving()
     assert not consumer.ready
-    assert queue.locked == 1 and queue.active == 2  # fetched, not taken: abandoned
+    assert queue.locked == 1 and queue.active == 2  # fetched, not taken: given back
+    assert queue.stats["abandon"] == 0 and queue.stats["complete"] == 2  # copied, uncounted
     await consumer.close()
-    assert queue.locked == 0 and queue.active == 3 and queue.stats["complete"] == 0
-    assert held.settled is None
+    assert queue.locked == 0 and queue.active == 3 and queue.stats["abandon"] == 1
+    assert held.settled is None  # what the pump left unsettled: abandoned, as its lock would
 
 
 # -- operator tools -----------------------------------------------------------------------------

@@ -170,3 +170,64 @@ async def test_several_pumps_duplicates_and_a_killed_worker(database_url: str) -
     assert totals["committed"] == CREDITS
     assert totals["duplicate"] >= CREDITS // 5
     assert victim.pump.stats["settlement-lost"] + victim.consumer.stats["receive_failed"] >= 1
+
+
+RESTARTS, HELD = 10, 8
+
+
+async def test_graceful_restarts_holding_a_full_prefetch_spend_no_delivery(
+    database_url: str,
+) -> None:
+    """A rolling deploy is not the message's fault: its delivery count must not grow.
+
+    Each worker takes a full prefetch and is stopped while every handler is still
+    running (cancelled after the grace period, then given back by the pump). With
+    counted give-backs the tenth restart would be the tenth delivery: far past
+    WORKER_MAX_DELIVERIES=2, and past the entity's MaxDeliveryCount of 3.
+    """
+    bus = FakeServiceBus()
+    queue = bus.create_queue("work", lock_duration=5.0, max_delivery_count=3)
+    sb = ServiceBusSettings(
+        connection_string=SecretStr(CONNECTION_STRING), queue="work", receive_wait=0.2
+    )
+    settings = Settings(
+        database_url=database_url, concurrency=4, max_deliveries=2, grace_period=0.1
+    )
+    release = asyncio.Event()
+    counts: dict[str, list[int]] = {}
+    handlers = Registry()
+
+    @handlers.handler("CreditRequested", CreditRequested, consumer="credit")
+    async def credit(ctx: Context, message: CreditRequested) -> None:
+        counts.setdefault(ctx.message_id, []).append(ctx.delivery_count)
+        await release.wait()  # until the last worker: every earlier one is stopped mid-run
+        await apply_credit(ctx, message)
+
+    admin = ServiceBusAdmin(sb, bus.client)
+    body = json.dumps({"account_id": "acct", "amount": "1"}).encode()
+    await admin.publish([OutgoingMessage(f"m-{n}", "CreditRequested", body) for n in range(HELD)])
+    await admin.close()
+
+    for restart in range(RESTARTS + 1):
+        if restart == RESTARTS:
+            release.set()
+        consumer = ServiceBusConsumer(sb, bus.client)
+        engine = create_engine(settings.database_url, pool_size=settings.pool_size)
+        pump = Pump(consumer, engine, handlers, settings, name=f"restart-{restart}")
+        task = asyncio.create_task(pump.run())
+        try:
+            if restart < RESTARTS:
+                await until(lambda p=pump: p.in_flight == 4, 10, "four handlers running")
+            else:
+                await until(lambda p=pump: p.stats["ack"] == HELD, 20, "every message acked")
+        finally:
+            pump.stop()
+            async with asyncio.timeout(30):
+                await task
+            await engine.dispose()
+
+    assert queue.dead_letter is not None and queue.dead_letter.count == 0
+    assert queue.count == 0 and queue.stats["lock_expired"] == 0
+    every = [count for seen in counts.values() for count in seen]
+    assert set(counts) == {f"m-{n}" for n in range(HELD)}
+    assert set(every) == {1}, counts  # every delivery of every message was its first

@@ -9,13 +9,24 @@ Verb mapping:
   with its delivery count + 1. Service Bus cannot delay an abandon, so a
   ``delay`` is served by holding the (renewed) lock that long, then abandoning;
   never past the lock renewal window, and not at all when renewal is off.
+- ``nack(counted=False)`` (the message is not to blame): ``abandon_message`` would
+  count, so a copy carrying the count so far in ``x-worker-deliveries`` is sent to
+  the queue, confirmed, and only then is the original completed. The same happens
+  to fetched messages the pump never took, at shutdown and before their lock
+  renewal ends. On a topic subscription a copy would reach every subscription, so
+  there it is a (counted) abandon.
 - ``dead_letter(reason)``: ``dead_letter_message(reason=..., error_description=...)``
   into the entity's ``$DeadLetterQueue``.
 
 Any settlement the broker refuses (``MessageLockLostError``, a closed receiver,
 a connection error) becomes :class:`~worker.errors.SettlementLost`: the lock
 runs out, the message comes back, and the inbox absorbs whatever did commit.
-The SDK says ``delivery_count == 0`` on a first delivery; the pump gets + 1.
+The pump's delivery count is the SDK's ``delivery_count`` (0 on a first delivery)
++ 1, + the carried ``x-worker-deliveries`` when the worker's own copy set it: the
+copy's enqueued time (the broker's clock) must be within the send's bound of the
+``x-worker-copied-at`` stamped on it, so a dead letter an operator moves back later
+starts from 1. Receiving compares each message's enqueued and locked-until times
+with the local clock and logs a skew the lock checks would trip over.
 
 Receiving runs in a loop of its own: the SDK retries internally and then
 raises, and the loop recreates the client and receiver with jittered backoff,
@@ -72,6 +83,11 @@ _DESCRIPTION_LIMIT = 4096
 _SEND_CHUNK = 100
 _LOCK_LOST = (MessageLockLostError, SessionLockLostError, MessageNotFoundError)
 _HOLD_MARGIN = 5.0  # a delayed nack abandons this long before lock renewal ends (at most)
+_MAX_LOCK_DURATION = 300.0  # Service Bus's longest lock duration, s
+_SKEW_LOG_EVERY = 60.0  # one clock-skew warning a minute; the counter counts every message
+DELIVERIES_PROPERTY = "x-worker-deliveries"  # deliveries spent before an uncounted give-back
+COPIED_AT_PROPERTY = "x-worker-copied-at"  # epoch ms (a string) when the worker sent that copy
+_WORKER_PROPERTIES = (DELIVERIES_PROPERTY, COPIED_AT_PROPERTY)
 
 
 class ServiceBusSettings(BaseSettings):
@@ -113,6 +129,15 @@ class ServiceBusSettings(BaseSettings):
     )
     entity_max_delivery_count: int = Field(
         10, ge=1, description="The entity's MaxDeliveryCount: warn unless the pump's is below."
+    )
+    clock_skew_tolerance: float = Field(
+        30.0,
+        gt=0,
+        description="Local clock vs the broker's: warn beyond this; a carried count is "
+        "honoured only when its copy was enqueued within the send's bound plus this, s.",
+    )
+    give_back_timeout: float = Field(
+        10.0, gt=0, description="Bounds the give-back of fetched, untaken messages at stop, s."
     )
 
     @property
@@ -262,6 +287,36 @@ def application_properties(message: ServiceBusReceivedMessage) -> dict[str, Any]
     return {str(_text(k)): _text(v) for k, v in (message.application_properties or {}).items()}
 
 
+def _headers(message: ServiceBusReceivedMessage) -> dict[str, Any]:
+    """What a handler sees: the application properties without the worker's own."""
+    properties = application_properties(message)
+    return {k: v for k, v in properties.items() if k not in _WORKER_PROPERTIES}
+
+
+def _wall() -> float:
+    """The local wall clock, the one the SDK's lock checks use (tests move it)."""
+    return time.time()
+
+
+def _given_back(message: ServiceBusReceivedMessage, spent: int) -> ServiceBusMessage:
+    """The copy an uncounted give-back sends: the same message, plus the count so far."""
+    properties: dict[str | bytes, Any] = {k: v for k, v in _headers(message).items()}
+    properties[DELIVERIES_PROPERTY] = spent
+    properties[COPIED_AT_PROPERTY] = str(int(_wall() * 1000))  # an int would overflow AMQP's
+    copy = ServiceBusMessage(
+        body_of(message),
+        application_properties=properties,
+        subject=message.subject,
+        content_type=message.content_type,
+        correlation_id=message.correlation_id,
+        to=message.to,
+        reply_to=message.reply_to,
+        time_to_live=message.time_to_live,
+    )
+    copy.message_id = message.message_id  # as it was, None included (the SDK invents one)
+    return copy
+
+
 def body_of(message: ServiceBusReceivedMessage) -> bytes:
     """The payload: data sections joined; a str or bytes AMQP value as is."""
     if message.body_type == AmqpMessageBodyType.DATA:
@@ -298,11 +353,12 @@ class TypeResolver:
 class _Link:
     """One client and its receiver; retired links stay open until their messages settle."""
 
-    __slots__ = ("client", "receiver", "retired", "unsettled")
+    __slots__ = ("client", "receiver", "retired", "sender", "unsettled")
 
     def __init__(self, client: Client, receiver: Receiver) -> None:
         self.client = client
         self.receiver = receiver
+        self.sender: Sender | None = None  # for uncounted give-backs, opened on first use
         self.unsettled = 0
         self.retired = False
 
@@ -310,19 +366,36 @@ class _Link:
 class _Lock:
     """The settlement handle: one locked message and the receiver that holds its lock."""
 
-    __slots__ = ("done", "later", "link", "lost", "message", "message_id", "received", "renewer")
+    __slots__ = (
+        "count",
+        "done",
+        "later",
+        "link",
+        "lost",
+        "message",
+        "message_id",
+        "received",
+        "released",
+        "renewer",
+        "taken",
+        "withdraw",
+    )
 
     def __init__(
-        self, link: _Link, message: ServiceBusReceivedMessage, message_id: str | None
+        self, link: _Link, message: ServiceBusReceivedMessage, message_id: str | None, count: int
     ) -> None:
         self.link = link
         self.message = message
         self.message_id = message_id
+        self.count = count  # the pump's delivery count, from 1
         self.received = time.monotonic()  # when the renewer's max_lock_renewal clock started
         self.lost: str | None = None
-        self.done = False
+        self.done = False  # nothing more to do with it (settled, or settling failed)
+        self.released = False  # the broker took the settlement
+        self.taken = False  # handed to the pump; until then this consumer may give it back
         self.renewer: AutoLockRenewer | None = None
         self.later: asyncio.Task[None] | None = None  # a delayed abandon, while it waits
+        self.withdraw: asyncio.TimerHandle | None = None  # untaken: give back before renewal ends
 
 
 class ServiceBusConsumer:
@@ -353,7 +426,10 @@ class ServiceBusConsumer:
         self._limit = 1
         self._loop_task: asyncio.Task[None] | None = None
         self._later: set[asyncio.Task[None]] = set()
+        self._returning: set[asyncio.Task[None]] = set()  # untaken, given back before renewal ends
         self._renewals_ending: set[asyncio.Task[None]] = set()
+        self._skew_logged = -_SKEW_LOG_EVERY
+        self.clock_skew = 0.0  # the last skew seen (local minus broker, a lower bound), s
         self._stopping = False
         self._closed = False
         self._ready = False
@@ -380,18 +456,49 @@ class ServiceBusConsumer:
         self._loop_task = asyncio.create_task(self._receive_loop(), name="servicebus-receive")
 
     async def receive(self) -> Delivery:
-        return await self._inbox.get()
+        delivery = await self._inbox.get()
+        handle: _Lock = delivery._handle
+        handle.taken = True
+        if handle.withdraw is not None:
+            handle.withdraw.cancel()
+            handle.withdraw = None
+        return delivery
 
     async def stop_receiving(self) -> None:
-        """Stop the receive loop; messages fetched but not yet taken are abandoned at once."""
+        """Stop the receive loop; fetched messages the pump never took go back uncounted.
+
+        All of them at once, under one deadline (``give_back_timeout``), because the
+        pump's grace period starts only after this returns. Whatever is not back by
+        then keeps its lock until it runs out, and comes back counted.
+        """
         self._stopping = True
         self._ready = False
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
+        waiting: list[_Lock] = []
         while not self._inbox.empty():
             handle: _Lock = self._inbox.get_nowait()._handle
-            await self._give_back(handle)
+            if handle.withdraw is not None:
+                handle.withdraw.cancel()
+                handle.withdraw = None
+            if not handle.done:
+                waiting.append(handle)
+        if not waiting:
+            return
+        try:
+            async with asyncio.timeout(self.settings.give_back_timeout):
+                await self._return_uncounted(waiting)
+        except TimeoutError:
+            left = [h for h in waiting if not h.released]
+            self.stats["give_back_timed_out"] += len(left)
+            self._log.warning(
+                "servicebus give-back at stop cut short, the rest come back when their locks "
+                "run out",
+                given_back=len(waiting) - len(left),
+                left=len(left),
+                timeout_s=self.settings.give_back_timeout,
+            )
 
     async def close(self) -> None:
         """Give back what the pump left unsettled, then close renewer, receivers, clients."""
@@ -402,6 +509,9 @@ class ServiceBusConsumer:
         for task in list(self._later):
             task.cancel()  # a delayed abandon: abandon now instead
         await asyncio.gather(*self._later, return_exceptions=True)
+        await asyncio.gather(*self._returning, return_exceptions=True)
+        # What the pump cancelled after its grace period: counted, as its lock expiry would
+        # be (the adapter cannot tell a slow handler from a hung one).
         await asyncio.gather(*(self._give_back(h) for h in list(self._locks) if not h.done))
         await asyncio.gather(*self._renewals_ending)
         for link in list(self._links):
@@ -501,10 +611,13 @@ class ServiceBusConsumer:
                 outcome="no-message-id",
             )
             message_id = None  # the pump dead-letters it: "no message id"
-        handle = _Lock(link, message, message_id)
+        self._check_clock(message, message_id)
+        count = self._carried(message, message_id) + (message.delivery_count or 0) + 1
+        handle = _Lock(link, message, message_id, count)
         link.unsettled += 1
         self._locks.add(handle)
-        if self.settings.max_lock_renewal > 0:
+        window = self.settings.max_lock_renewal
+        if window > 0:
             # One renewer per message, so that renewal stops the moment the message is
             # settled or given up on, whatever the settlement's outcome: the SDK's renewer
             # has no way to drop one message, and would otherwise hold a message whose
@@ -515,17 +628,108 @@ class ServiceBusConsumer:
             )
             # The renewer only calls renew_message_lock on the receiver it is given.
             handle.renewer.register(cast("ServiceBusReceiver", link.receiver), message)
-        count = (message.delivery_count or 0) + 1  # the SDK counts from 0
+            # A message the pump does not take in time (a database outage keeps it
+            # paused) would lose its lock when renewal ends, and come back counted.
+            handle.withdraw = asyncio.get_running_loop().call_later(
+                window - min(_HOLD_MARGIN, window / 4), self._withdraw, handle
+            )
         delivery = Delivery(
             message_id,
             self._type_of(message),
             body_of(message),
-            application_properties(message),
+            _headers(message),
             count,
             self,
             handle,
         )
         self._inbox.put_nowait(delivery)
+
+    def _carried(self, message: ServiceBusReceivedMessage, message_id: str | None) -> int:
+        """Deliveries spent before the worker's own uncounted give-back, else 0.
+
+        Honoured only on the copy the worker sent: its enqueued time (the broker's
+        clock) lies within one send's bound of the stamp the sender put on it. A dead
+        letter moved back by an operator tool, with the properties copied, is enqueued
+        later than that and starts from 1 again.
+        """
+        properties = message.application_properties or {}
+        raw = properties.get(DELIVERIES_PROPERTY.encode(), properties.get(DELIVERIES_PROPERTY))
+        if raw is None:
+            return 0
+        stamp = properties.get(COPIED_AT_PROPERTY.encode(), properties.get(COPIED_AT_PROPERTY))
+        enqueued = message.enqueued_time_utc
+        try:
+            carried, copied_at = int(_text(raw)), int(_text(stamp)) / 1000
+        except (TypeError, ValueError):
+            carried, copied_at = -1, 0.0
+        tolerance = self.settings.clock_skew_tolerance
+        if carried >= 0 and enqueued is not None:
+            lag = enqueued.timestamp() - copied_at
+            if -tolerance <= lag <= self.settings.operation_bound + tolerance:
+                return carried
+        self.stats["carried_count_ignored"] += 1
+        self._log.info(
+            "servicebus carried delivery count ignored: not the worker's own give-back",
+            message_id=message_id,
+            carried=_text(raw),
+            copied_at=_text(stamp),
+            enqueued=enqueued.isoformat() if enqueued is not None else None,
+        )
+        return 0
+
+    def _check_clock(self, message: ServiceBusReceivedMessage, message_id: str | None) -> None:
+        """Compare the broker's timestamps with the local clock, which the SDK's lock checks use.
+
+        A local clock ahead of the broker's makes the SDK refuse settlements on locks
+        it believes expired (``locked_until_utc`` already past); one behind makes the
+        renewer renew too late. Neither is proven by one message, but each bound is.
+        """
+        now = _wall()
+        tolerance = self.settings.clock_skew_tolerance
+        skew = 0.0  # local minus broker, at least: > 0 ahead, < 0 behind
+        enqueued = message.enqueued_time_utc
+        if enqueued is not None and enqueued.timestamp() - now > tolerance:
+            skew = now - enqueued.timestamp()  # enqueued in the local future
+        locked = message.locked_until_utc
+        if locked is not None:
+            left = locked.timestamp() - now
+            if left <= 0:
+                skew = -left  # the lock looks expired the moment it arrives
+            elif left > _MAX_LOCK_DURATION + tolerance:
+                skew = min(skew, _MAX_LOCK_DURATION - left)  # longer than any lock can be
+        if skew == 0.0:
+            return
+        self.stats["clock_skew"] += 1
+        self.clock_skew = skew
+        if time.monotonic() - self._skew_logged < _SKEW_LOG_EVERY:
+            return
+        self._skew_logged = time.monotonic()
+        self._log.warning(
+            "servicebus clock skew: the local clock disagrees with the broker's",
+            skew_s=round(skew, 1),
+            local_clock="ahead" if skew > 0 else "behind",
+            message_id=message_id,
+            enqueued=enqueued.isoformat() if enqueued is not None else None,
+            locked_until=locked.isoformat() if locked is not None else None,
+            outcome="clock-skew",
+        )
+
+    def _withdraw(self, handle: _Lock) -> None:
+        """Renewal is about to end for a message the pump never took: give it back uncounted."""
+        handle.withdraw = None
+        if handle.taken or handle.done or self._stopping:
+            return
+        kept: list[Delivery] = []
+        while not self._inbox.empty():  # bounded by the inbox's size; no await in between
+            delivery = self._inbox.get_nowait()
+            if delivery._handle is not handle:
+                kept.append(delivery)
+        for delivery in kept:
+            self._inbox.put_nowait(delivery)
+        self.stats["withdrawn"] += 1
+        task = asyncio.create_task(self._return_quietly([handle]))
+        self._returning.add(task)
+        task.add_done_callback(self._returning.discard)
 
     async def _renewal_failed(
         self, handle: _Lock, _renewable: Any, error: Exception | None
@@ -545,7 +749,7 @@ class ServiceBusConsumer:
         self._log.warning(
             "servicebus lock lost while processing",
             message_id=handle.message_id,
-            delivery_count=(handle.message.delivery_count or 0) + 1,
+            delivery_count=handle.count,
             error=handle.lost,
             retry_delay_dropped=later is not None,
             outcome="lock-lost",
@@ -562,6 +766,8 @@ class ServiceBusConsumer:
 
     async def _close_link(self, link: _Link) -> None:
         self._links.discard(link)
+        if link.sender is not None:
+            await _quietly(link.sender.close())
         await _quietly(link.receiver.close())
         await _quietly(link.client.close())
 
@@ -576,12 +782,98 @@ class ServiceBusConsumer:
     async def nack(self, handle: _Lock, delay: float | None, counted: bool = True) -> None:
         hold = self._hold_for(handle, delay) if delay and delay > 0 and not self._closed else 0
         if hold > 0:
-            task = asyncio.create_task(self._abandon_later(handle, hold))
+            task = asyncio.create_task(self._abandon_later(handle, hold, counted))
             handle.later = task
             self._later.add(task)
             task.add_done_callback(self._later.discard)
             return
-        await self._settle(handle, "abandon", handle.link.receiver.abandon_message)
+        if counted:
+            await self._settle(handle, "abandon", handle.link.receiver.abandon_message)
+            return
+        [error] = await self._return_uncounted([handle])
+        if error is not None:
+            raise error
+
+    async def _return_uncounted(self, handles: list[_Lock]) -> list[SettlementLost | None]:
+        """Give messages back without spending a delivery: copies first, then the originals.
+
+        Each copy carries the deliveries spent so far and is confirmed by the broker
+        before its original is completed, so a failure in between leaves a duplicate
+        (the inbox drops it), never a loss. What cannot be copied (a topic
+        subscription, a lock known lost, a refused send) is abandoned instead, which
+        counts. Returns, per handle, the settlement error or None.
+        """
+        copyable = [h for h in handles if h.lost is None] if self.settings.queue else []
+        sent = await self._send_copies(copyable)
+        results = await asyncio.gather(
+            *(
+                self._settle(h, "complete", h.link.receiver.complete_message)
+                if h in sent
+                else self._settle(h, "abandon", h.link.receiver.abandon_message)
+                for h in handles
+            ),
+            return_exceptions=True,
+        )
+        errors: list[SettlementLost | None] = []
+        for result in results:
+            if isinstance(result, SettlementLost | None):
+                errors.append(result)
+            elif isinstance(result, AlreadySettled):
+                errors.append(SettlementLost(str(result)))
+            else:
+                raise result
+        return errors
+
+    async def _send_copies(self, handles: list[_Lock]) -> set[_Lock]:
+        """Send each handle's give-back copy and wait for the broker; the confirmed ones."""
+        sent: set[_Lock] = set()
+        link = self._link if self._link is not None else (handles[0].link if handles else None)
+        if link is None:
+            return sent
+        copies: dict[_Lock, ServiceBusMessage] = {}
+        for handle in handles:
+            try:
+                copies[handle] = _given_back(handle.message, handle.count - 1)
+            except ValueError as exc:  # an id the SDK refuses to send (over 128 characters)
+                self._copy_failed([handle], exc)
+        chunks = [list(copies)[n : n + _SEND_CHUNK] for n in range(0, len(copies), _SEND_CHUNK)]
+        for chunk in chunks:
+            try:
+                async with asyncio.timeout(self.settings.operation_bound):
+                    if link.sender is None:
+                        assert self.settings.queue is not None
+                        link.sender = link.client.get_queue_sender(self.settings.queue)
+                    try:
+                        await link.sender.send_messages([copies[h] for h in chunk])
+                        sent.update(chunk)
+                    except MessageSizeExceededError:  # over the batch limit: one by one
+                        for handle in chunk:
+                            try:
+                                await link.sender.send_messages(copies[handle])
+                                sent.add(handle)
+                            except MessageSizeExceededError as exc:  # this one alone
+                                self._copy_failed([handle], exc)
+            except (ServiceBusError, ValueError, TimeoutError) as exc:  # ValueError: UTF-8
+                self._copy_failed([h for h in chunk if h not in sent], exc)
+        self.stats["given_back_uncounted"] += len(sent)
+        return sent
+
+    def _copy_failed(self, handles: list[_Lock], exc: Exception) -> None:
+        self.stats["give_back_copy_failed"] += len(handles)
+        self._log.warning(
+            "servicebus uncounted give-back failed to send its copy, abandoning (counted)",
+            message_ids=[h.message_id for h in handles],
+            error=_describe(exc),
+        )
+
+    async def _return_quietly(self, handles: list[_Lock]) -> None:
+        for handle, error in zip(handles, await self._return_uncounted(handles), strict=True):
+            if error is not None:
+                self._log.info(
+                    "servicebus give-back failed, lock will expire",
+                    message_id=handle.message_id,
+                    error=str(error),
+                )
 
     def _hold_for(self, handle: _Lock, delay: float) -> float:
         """How long a delayed nack may keep the lock: only while the renewer still renews it.
@@ -599,7 +891,7 @@ class ServiceBusConsumer:
             self._log.info(
                 "servicebus retry delay cut to the lock renewal window",
                 message_id=handle.message_id,
-                delivery_count=(handle.message.delivery_count or 0) + 1,
+                delivery_count=handle.count,
                 delay_s=delay,
                 held_s=round(hold, 2),
                 outcome="retry",
@@ -607,8 +899,7 @@ class ServiceBusConsumer:
         return hold
 
     async def dead_letter(self, handle: _Lock, reason: str) -> None:
-        count = (handle.message.delivery_count or 0) + 1
-        description = f"dead-lettered by the worker on delivery {count}: {reason}"
+        description = f"dead-lettered by the worker on delivery {handle.count}: {reason}"
 
         async def dead_letter(message: ServiceBusReceivedMessage) -> None:
             await handle.link.receiver.dead_letter_message(
@@ -619,12 +910,15 @@ class ServiceBusConsumer:
 
         await self._settle(handle, "dead-letter", dead_letter)
 
-    async def _abandon_later(self, handle: _Lock, hold: float) -> None:
+    async def _abandon_later(self, handle: _Lock, hold: float, counted: bool) -> None:
         try:
             await asyncio.sleep(hold)  # the renewer keeps the lock meanwhile
         finally:
             handle.later = None
-            await self._give_back(handle)
+            if counted:
+                await self._give_back(handle)
+            elif not handle.done:
+                await self._return_quietly([handle])
 
     async def _give_back(self, handle: _Lock) -> None:
         """Abandon without a caller to tell: a failure only means the lock runs out instead."""
@@ -649,6 +943,7 @@ class ServiceBusConsumer:
         try:
             async with asyncio.timeout(self.settings.operation_bound):
                 await operation(handle.message)
+            handle.released = True
         except MessageAlreadySettled:  # a ValueError, not a ServiceBusError
             raise AlreadySettled(f"message {handle.message_id!r} was already settled") from None
         except _LOCK_LOST as exc:
@@ -668,6 +963,9 @@ class ServiceBusConsumer:
         if handle.done:
             return
         handle.done = True
+        if handle.withdraw is not None:
+            handle.withdraw.cancel()
+            handle.withdraw = None
         self._locks.discard(handle)
         self._credit.set()
         if handle.renewer is not None:
@@ -822,6 +1120,7 @@ def _copy(message: ServiceBusReceivedMessage) -> ServiceBusMessage:
         k: v
         for k, v in application_properties(message).items()
         if k.encode() not in (DEAD_LETTER_REASON, DEAD_LETTER_DESCRIPTION)
+        and k not in _WORKER_PROPERTIES  # a resubmitted dead letter starts from delivery 1
     }
     return ServiceBusMessage(
         body_of(message),

@@ -1,0 +1,309 @@
+"""Service Bus give-backs the message is not to blame for keep its delivery count.
+
+``abandon_message`` always raises the entity's DeliveryCount, so ``nack(counted=False)``
+sends a copy carrying the count so far, waits for the broker to take it, and only then
+completes the original. The count is honoured only on the worker's own copy: a dead
+letter moved back later, properties and all, starts from 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import structlog
+from azure.servicebus import ServiceBusMessage
+
+from tests.servicebus.fake import Entity, FakeServiceBus
+from tests.servicebus.sb_settings import sb_settings
+from worker.brokers import servicebus
+from worker.brokers.servicebus import (
+    COPIED_AT_PROPERTY,
+    DELIVERIES_PROPERTY,
+    ServiceBusAdmin,
+    ServiceBusConsumer,
+)
+from worker.delivery import Delivery
+from worker.errors import SettlementLost
+
+
+@pytest.fixture
+def queue(bus: FakeServiceBus) -> Entity:
+    return bus.create_queue("work", lock_duration=5.0)
+
+
+def msg(message_id: str, **properties: Any) -> ServiceBusMessage:
+    return ServiceBusMessage(
+        b'{"amount": "1"}',
+        message_id=message_id,
+        subject="CreditRequested",
+        correlation_id="conversation-1",
+        application_properties={"type": "CreditRequested", "tenant": "t1", **properties},
+    )
+
+
+async def send(bus: FakeServiceBus, *messages: ServiceBusMessage, queue: str = "work") -> None:
+    await bus.client().get_queue_sender(queue).send_messages(list(messages))
+
+
+async def take(consumer: ServiceBusConsumer, seconds: float = 3.0) -> Delivery:
+    async with asyncio.timeout(seconds):
+        return await consumer.receive()
+
+
+# -- nack(counted=False) -------------------------------------------------------------
+
+
+async def test_an_uncounted_nack_keeps_the_count_and_a_counted_one_still_raises_it(
+    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+) -> None:
+    await send(bus, msg("m"))
+    consumer = await consumers()
+    counts = []
+    for counted in (True, False, False, True, False):
+        delivery = await take(consumer)
+        counts.append(delivery.delivery_count)
+        await delivery.nack(counted=counted)
+    last = await take(consumer)
+    counts.append(last.delivery_count)
+    assert counts == [1, 2, 2, 2, 3, 3]
+    assert last.message_id == "m" and last.type == "CreditRequested"
+    assert last.body == b'{"amount": "1"}'
+    assert dict(last.headers) == {"type": "CreditRequested", "tenant": "t1"}  # no worker's own
+    assert last._handle.message.correlation_id == "conversation-1"
+    await last.ack()
+    assert queue.stats["abandon"] == 2 and queue.stats["complete"] == 4  # 3 originals + ack
+    assert consumer.stats["given_back_uncounted"] == 3 and queue.count == 0
+
+
+async def test_the_pump_dead_letters_by_the_carried_count(
+    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+) -> None:
+    await send(bus, msg("m"))
+    consumer = await consumers()
+    await (await take(consumer)).nack()  # its own failure: 2
+    await (await take(consumer)).nack(counted=False)  # a database outage: still 2
+    delivery = await take(consumer)
+    assert delivery.delivery_count == 2
+    await delivery.dead_letter("credit: ValueError: boom")
+    assert queue.dead_letter is not None
+    [letter] = queue.dead_letter.messages()
+    description = letter.broker_properties["DeadLetterErrorDescription"]
+    assert description.startswith("dead-lettered by the worker on delivery 2:")
+
+
+async def test_the_copy_is_confirmed_before_the_original_is_released(
+    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+) -> None:
+    await send(bus, msg("m"))
+    consumer = await consumers(try_timeout=0.3)  # a send is given up after ~1.3 s
+    delivery = await take(consumer)
+    bus.hang("send")
+    nacking = asyncio.create_task(delivery.nack(counted=False))
+    await asyncio.sleep(0.5)
+    assert not nacking.done()
+    assert queue.locked == 1 and queue.stats["complete"] == 0  # the original still held
+    async with asyncio.timeout(5):
+        await nacking  # the copy never confirmed: the original is abandoned (counted)
+    assert queue.stats["abandon"] == 1 and queue.stats["complete"] == 0
+    assert consumer.stats["give_back_copy_failed"] == 1
+    again = await take(consumer)
+    assert again.delivery_count == 2 and queue.count == 1  # one message, not lost, no copy
+    await again.ack()
+
+
+async def test_a_refused_copy_falls_back_to_a_counted_abandon(
+    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+) -> None:
+    await send(bus, msg("m"))
+    consumer = await consumers()
+    bus.fail("send")
+    await (await take(consumer)).nack(counted=False)
+    again = await take(consumer)
+    assert again.delivery_count == 2 and queue.stats["abandon"] == 1
+    await again.ack()
+
+
+async def test_a_complete_that_fails_after_the_copy_leaves_a_duplicate_not_a_loss(
+    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+) -> None:
+    await send(bus, msg("m"))
+    consumer = await consumers()
+    delivery = await take(consumer)
+    bus.fail("complete")
+    with pytest.raises(SettlementLost, match="complete failed"):
+        await delivery.nack(counted=False)
+    assert queue.count == 2 and queue.stats["complete"] == 0  # the copy, and the original
+    copy = await take(consumer)  # the original comes back too, when its lock runs out
+    assert copy.message_id == "m" and copy.delivery_count == 1
+
+
+async def test_a_topic_subscription_abandons_instead_of_copying_to_every_subscription(
+    bus: FakeServiceBus, consumers: Callable[..., Any]
+) -> None:
+    mine = bus.create_subscription("events", "billing")
+    other = bus.create_subscription("events", "audit")
+    await bus.client().get_topic_sender("events").send_messages(msg("m"))
+    consumer = await consumers(queue=None, topic="events", subscription="billing")
+    await (await take(consumer)).nack(counted=False)
+    again = await take(consumer)
+    assert again.delivery_count == 2  # counted: Service Bus cannot send to one subscription
+    assert mine.stats["abandon"] == 1 and other.count == 1  # the audit copy, and no other
+    await again.ack()
+
+
+async def test_a_delayed_uncounted_nack_holds_then_copies(
+    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+) -> None:
+    await send(bus, msg("m"))
+    consumer = await consumers()
+    await (await take(consumer)).nack(0.3, counted=False)
+    assert queue.locked == 1 and queue.stats["complete"] == 0
+    again = await take(consumer)
+    assert again.delivery_count == 1 and queue.stats["abandon"] == 0
+    await again.ack()
+
+
+# -- the carried count: only on the worker's own copy --------------------------------
+
+
+async def test_a_dead_letter_moved_back_by_an_operator_tool_starts_fresh(
+    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+) -> None:
+    # An operator tool's copy of a dead letter the worker's give-back produced an hour
+    # ago: the worker's properties came along, but the broker enqueued it just now.
+    an_hour_ago = str(int((time.time() - 3600) * 1000))
+    moved = msg("m", **{DELIVERIES_PROPERTY: 4, COPIED_AT_PROPERTY: an_hour_ago})
+    forged = msg("f", **{DELIVERIES_PROPERTY: "four", COPIED_AT_PROPERTY: "now"})
+    await send(bus, moved, forged)
+    consumer = await consumers()
+    with structlog.testing.capture_logs() as logs:
+        counts = {d.message_id: d.delivery_count for d in [await take(consumer) for _ in "mf"]}
+    assert counts == {"m": 1, "f": 1}
+    assert consumer.stats["carried_count_ignored"] == 2
+    ignored = [e for e in logs if e["event"].startswith("servicebus carried delivery count")]
+    assert {e["message_id"] for e in ignored} == {"m", "f"}
+
+
+async def test_worker_dlq_resubmit_of_a_given_back_message_starts_fresh(
+    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+) -> None:
+    await send(bus, msg("m"))
+    consumer = await consumers()
+    for _ in range(2):
+        await (await take(consumer)).nack()
+    await (await take(consumer)).nack(counted=False)
+    delivery = await take(consumer)
+    assert delivery.delivery_count == 3
+    await delivery.dead_letter("exhausted")
+    admin = ServiceBusAdmin(sb_settings(), bus.client)
+    try:
+        assert await admin.resubmit(10) == 1
+    finally:
+        await admin.close()
+    again = await take(consumer)  # resubmitted within a second, yet from 1
+    assert again.message_id == "m" and again.delivery_count == 1
+    assert consumer.stats["carried_count_ignored"] == 0  # the copy carries nothing any more
+    await again.ack()
+
+
+# -- shutdown --------------------------------------------------------------------------
+
+
+async def test_stop_gives_back_untaken_messages_uncounted_and_together(
+    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+) -> None:
+    await send(bus, *(msg(f"m-{n}") for n in range(8)))
+    consumer = await consumers(slots=8)
+    await asyncio.sleep(0.5)  # all eight fetched, none taken
+    assert queue.locked == 8
+    bus.latency = 0.3  # one by one this would take 8 round trips: 2.4 s
+    started = time.monotonic()
+    await consumer.stop_receiving()
+    assert time.monotonic() - started < 1.5  # one send, then the completes side by side
+    bus.latency = 0.0
+    assert queue.locked == 0 and queue.active == 8 and queue.stats["abandon"] == 0
+    assert consumer.stats["given_back_uncounted"] == 8
+
+    successor = await consumers(slots=8)
+    counts = sorted([(await take(successor)).delivery_count for _ in range(8)])
+    assert counts == [1] * 8
+
+
+async def test_stop_is_bounded_when_the_give_back_hangs(
+    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+) -> None:
+    await send(bus, *(msg(f"m-{n}") for n in range(3)))
+    consumer = await consumers(slots=3, give_back_timeout=0.5)
+    await asyncio.sleep(0.5)
+    bus.hang("complete", times=3)
+    started = time.monotonic()
+    with structlog.testing.capture_logs() as logs:
+        await consumer.stop_receiving()
+    assert time.monotonic() - started < 1.5  # not 3 x the SDK's bound
+    assert consumer.stats["give_back_timed_out"] == 3
+    assert any(e["event"].startswith("servicebus give-back at stop cut short") for e in logs)
+    assert queue.locked == 3  # the originals run out on their own; the copies are there
+    assert queue.active == 3
+
+
+# -- a long database outage: messages the pump does not take --------------------------
+
+
+async def test_an_untaken_message_goes_back_uncounted_before_renewal_ends(
+    bus: FakeServiceBus, consumers: Callable[..., Any]
+) -> None:
+    # A 3 s lock, renewed for 1.5 s: without the give-back it would expire at ~4.5 s
+    # and come back counted (and, past MaxDeliveryCount, be dead-lettered unread).
+    queue = bus.create_queue("work", lock_duration=3.0)
+    await send(bus, msg("m"))
+    consumer = await consumers(slots=1, max_lock_renewal=1.5)
+    await asyncio.sleep(5.5)  # the pump is paused: nobody takes it
+    assert consumer.stats["withdrawn"] >= 1
+    assert queue.stats["lock_expired"] == 0
+    delivery = await take(consumer)
+    assert delivery.message_id == "m" and delivery.delivery_count == 1
+    await delivery.ack()
+    assert queue.count == 0
+
+
+# -- the local clock against the broker's ---------------------------------------------
+
+
+@pytest.mark.parametrize(("offset", "side"), [(600.0, "ahead"), (-900.0, "behind")])
+async def test_clock_skew_is_detected_and_logged_at_receive(
+    bus: FakeServiceBus,
+    queue: Entity,
+    consumers: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+    offset: float,
+    side: str,
+) -> None:
+    await send(bus, msg("a"), msg("b"))
+    monkeypatch.setattr(servicebus, "_wall", lambda: time.time() + offset)
+    with structlog.testing.capture_logs() as logs:
+        consumer = await consumers()
+        seen = [await take(consumer) for _ in range(2)]
+    assert consumer.stats["clock_skew"] == 2
+    [warning] = [e for e in logs if e["event"].startswith("servicebus clock skew")]
+    assert warning["log_level"] == "warning" and warning["local_clock"] == side
+    assert warning["message_id"] == "a"
+    assert (warning["skew_s"] > 0) == (side == "ahead")
+    assert abs(warning["skew_s"]) >= 300  # a lower bound, never more than the real skew
+    assert abs(warning["skew_s"]) <= abs(offset) + 1
+    assert consumer.clock_skew == warning["skew_s"] or abs(consumer.clock_skew) >= 300
+    assert {d.message_id for d in seen} == {"a", "b"}
+
+
+async def test_a_true_clock_logs_no_skew(
+    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+) -> None:
+    await send(bus, msg("a"))
+    with structlog.testing.capture_logs() as logs:
+        consumer = await consumers()
+        await (await take(consumer)).ack()
+    assert consumer.stats["clock_skew"] == 0
+    assert not [e for e in logs if e["event"].startswith("servicebus clock skew")]
