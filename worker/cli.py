@@ -1,25 +1,47 @@
-"""The ``worker`` command: run, migrate, demo."""
+"""The worker command line: run the consumer, migrate its schema, operate its queues and inbox.
+
+Every failure a person can fix (a bad setting, a database or broker that cannot be
+reached, a refused login, a schema never migrated) ends as one line on stderr naming
+what failed, with secrets masked: exit code 2 for configuration, 1 for the rest.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import logging
 import os
+import re
+import shutil
 import signal
 import sys
+from collections import Counter
 from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from worker import logs
-from worker.brokers import OutgoingMessage, open_admin
+from worker.brokers import (
+    DEFAULT_SCAN,
+    DeadLetterFilter,
+    DeadLetterInfo,
+    OutgoingMessage,
+    open_admin,
+)
 from worker.errors import BrokerUnavailable, ConfigurationError
 from worker.settings import Settings, load
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="worker", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="worker",
+        description="An idempotent message consumer, and the tools to operate it.",
+        epilog="Settings come from WORKER_* environment variables; see README.md.",
+    )
+    commands = parser.add_subparsers(
+        dest="command", required=True, title="commands", metavar="COMMAND"
+    )
     commands.add_parser("run", help="consume from WORKER_BROKER until SIGTERM/SIGINT")
     migrate = commands.add_parser(
         "migrate", help="upgrade WORKER_DATABASE_URL to the newest schema, or wait for it"
@@ -39,9 +61,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "publish", help='send JSON lines {"id", "type", "body", "headers"?} to the work queue'
     )
     publish.add_argument("file", nargs="?", default="-", help="JSON lines file; - for stdin")
-    dlq = commands.add_parser("dlq", help="list dead letters with their reasons, or re-submit them")
-    dlq.add_argument("--resubmit", action="store_true", help="move them back to the work queue")
-    dlq.add_argument("--limit", type=int, default=100, help="at most this many")
+    _dlq_arguments(
+        commands.add_parser(
+            "dlq",
+            help="list, group or re-submit dead letters, filtered by type, reason, time or id",
+            description=_DLQ_DESCRIPTION,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
     sweep = commands.add_parser("sweep", help="list side-effect claims left past their lease")
     sweep.add_argument("--redrive", action="store_true", help="finish them from the stored body")
     sweep.add_argument("--limit", type=int, default=100, help="at most this many")
@@ -62,9 +89,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "migrate":
             return _migrate(settings, args)
         if args.command == "publish":
+            _quiet_libraries(settings)
             return asyncio.run(_publish(settings, _read_input(args.file)))
         if args.command == "dlq":
-            return asyncio.run(_dlq(settings, args.limit, resubmit=args.resubmit))
+            _quiet_libraries(settings)
+            return asyncio.run(_dlq_command(settings, args))
         if args.command == "sweep":
             from worker.claims import sweep_command
 
@@ -97,6 +126,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except BrokerUnavailable as exc:
         print(f"worker: broker unavailable: {logs.scrub(str(exc))}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # a database that cannot serve: one line, not a traceback
+        line = database_failure(exc, args.command)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
         return 1
 
 
@@ -135,8 +170,11 @@ def read_messages(lines: Iterable[str]) -> list[OutgoingMessage]:
 def _read_input(path: str) -> list[OutgoingMessage]:
     if path == "-":
         return read_messages(sys.stdin)
-    with open(path, encoding="utf-8") as handle:
-        return read_messages(handle)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return read_messages(handle)
+    except OSError as exc:
+        raise ConfigurationError(f"publish input {path!r}: {exc.strerror or exc}") from None
 
 
 async def _publish(settings: Settings, messages: list[OutgoingMessage]) -> int:
@@ -149,27 +187,268 @@ async def _publish(settings: Settings, messages: list[OutgoingMessage]) -> int:
     return 0
 
 
-async def _dlq(settings: Settings, limit: int, *, resubmit: bool) -> int:
-    admin = open_admin(settings)
+# -- worker dlq ------------------------------------------------------------------
+
+_DLQ_DESCRIPTION = """\
+List the dead letters with their reasons: a table on a terminal, JSON lines when
+piped (or with --json). Listing only peeks: the dead letters keep their order and
+no delivery count is spent.
+
+The filters (--type, --reason, --since, --id) select the same dead letters for a
+listing, for --group-by and for --resubmit; try a --resubmit with --dry-run first.
+At most --scan dead letters are looked at, oldest first.
+
+examples:
+  worker dlq --group-by reason
+  worker dlq --type CreditRequested --reason "invalid body" --since 2h
+  worker dlq --reason "account service" --resubmit --dry-run
+"""
+
+
+def _dlq_arguments(dlq: argparse.ArgumentParser) -> None:
+    dlq.add_argument("--json", action="store_true", help="JSON lines, even on a terminal")
+    dlq.add_argument(
+        "--group-by", choices=("reason", "type"), help="one row per reason or type, with counts"
+    )
+    dlq.add_argument("--type", action="append", default=[], help="this message type (repeatable)")
+    dlq.add_argument("--reason", help="reason contains this text (case-insensitive)")
+    dlq.add_argument(
+        "--since", type=_since, help="dead-lettered at or after: ISO time, or an age (30m, 2h, 7d)"
+    )
+    dlq.add_argument("--id", action="append", default=[], help="this message id (repeatable)")
+    dlq.add_argument("--resubmit", action="store_true", help="move them back to the work queue")
+    dlq.add_argument("--dry-run", action="store_true", help="with --resubmit: show, move nothing")
+    dlq.add_argument(
+        "--limit", type=_positive, default=100, help="list or move at most this many (100)"
+    )
+    dlq.add_argument(
+        "--scan", type=_positive, default=DEFAULT_SCAN, help=f"look at most at ({DEFAULT_SCAN})"
+    )
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
+    return value
+
+
+_AGE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _since(text: str) -> datetime:
+    """``2h`` (an age) or ``2026-12-01T08:00:00Z`` (a time; no zone means UTC)."""
+    age = _AGE.match(text.strip())
+    if age:
+        return datetime.now(UTC) - timedelta(seconds=float(age[1]) * _AGE_UNITS[age[2]])
     try:
-        if resubmit:
-            moved = await admin.resubmit(limit)
-            print(f"re-submitted {moved} dead letters", file=sys.stderr)
+        moment = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: not an ISO time or an age like 30m, 2h, 7d"
+        ) from None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+async def _dlq_command(settings: Settings, args: argparse.Namespace) -> int:
+    if args.dry_run and not args.resubmit:
+        raise ConfigurationError("worker dlq: --dry-run goes with --resubmit")
+    if args.group_by and args.resubmit:
+        raise ConfigurationError("worker dlq: --group-by lists; it does not go with --resubmit")
+    match = DeadLetterFilter(
+        types=frozenset(args.type),
+        reason=args.reason or None,
+        since=args.since,
+        ids=frozenset(args.id),
+    )
+    return await _dlq(
+        settings,
+        args.limit,
+        resubmit=args.resubmit,
+        match=match,
+        group_by=args.group_by,
+        as_json=args.json or not sys.stdout.isatty(),
+        dry_run=args.dry_run,
+        scan=args.scan,
+    )
+
+
+async def _dlq(
+    settings: Settings,
+    limit: int,
+    *,
+    resubmit: bool,
+    match: DeadLetterFilter | None = None,
+    group_by: str | None = None,
+    as_json: bool = True,
+    dry_run: bool = False,
+    scan: int = DEFAULT_SCAN,
+) -> int:
+    admin = open_admin(settings)
+    selected = "" if match is None or match.everything else "matching "
+    try:
+        if resubmit and not dry_run:
+            moved = await admin.resubmit(limit, match, scan=scan)
+            print(f"re-submitted {moved} {selected}dead letters", file=sys.stderr)
             return 0
-        for letter in await admin.dead_letters(limit):
+        # a group counts every match the scan finds; a listing shows the first ``limit``
+        letters = await admin.dead_letters(scan if group_by else limit, match, scan=scan)
+    finally:
+        await admin.close()
+    if group_by:
+        _print_groups(letters, group_by, as_json=as_json)
+    else:
+        _print_letters(letters, as_json=as_json)
+    if dry_run:
+        print(f"would re-submit {len(letters)} {selected}dead letters", file=sys.stderr)
+    elif not as_json and not letters:
+        print(f"no {selected}dead letters", file=sys.stderr)
+    return 0
+
+
+def _letter_json(letter: DeadLetterInfo) -> dict[str, Any]:
+    at = letter.dead_lettered_at
+    return {
+        "id": letter.message_id,
+        "type": letter.type,
+        "reason": logs.scrub(letter.reason),
+        "dead_lettered_at": at.isoformat() if at else None,
+        "body": letter.body.decode("utf-8", "replace"),
+    }
+
+
+def reason_group(reason: str) -> str:
+    """What ``--group-by reason`` groups on: the reason's first line, at most 100 characters."""
+    first = " ".join((reason.strip().splitlines() or [""])[0].split())
+    return (first[:99] + "…" if len(first) > 100 else first) or "(none)"
+
+
+def _print_letters(letters: list[DeadLetterInfo], *, as_json: bool) -> None:
+    if as_json:
+        for letter in letters:
+            print(json.dumps(_letter_json(letter)))
+        return
+    if not letters:
+        return  # the caller says so in words
+    rows = [
+        (
+            _when(letter.dead_lettered_at),
+            letter.message_id or "-",
+            letter.type or "-",
+            reason_group(logs.scrub(letter.reason)),
+        )
+        for letter in letters
+    ]
+    _print_table(("DEAD-LETTERED", "ID", "TYPE", "REASON"), rows)
+
+
+def _print_groups(letters: list[DeadLetterInfo], by: str, *, as_json: bool) -> None:
+    groups: dict[str, list[DeadLetterInfo]] = {}
+    for letter in letters:
+        key = reason_group(logs.scrub(letter.reason)) if by == "reason" else letter.type or "-"
+        groups.setdefault(key, []).append(letter)
+    other = "type" if by == "reason" else "reason"
+    ordered = sorted(groups.items(), key=lambda item: (-len(item[1]), item[0]))
+    if as_json:
+        for key, members in ordered:
+            counts = Counter(_other(letter, other) for letter in members)
+            times = [m.dead_lettered_at for m in members if m.dead_lettered_at]
             print(
                 json.dumps(
                     {
-                        "id": letter.message_id,
-                        "type": letter.type,
-                        "reason": letter.reason,
-                        "body": letter.body.decode("utf-8", "replace"),
+                        by: key,
+                        "count": len(members),
+                        f"{other}s": dict(counts.most_common()),
+                        "oldest": min(times).isoformat() if times else None,
+                        "newest": max(times).isoformat() if times else None,
                     }
                 )
             )
-    finally:
-        await admin.close()
-    return 0
+        return
+    rows = []
+    for key, members in ordered:
+        counts = Counter(_other(letter, other) for letter in members)
+        spread = ", ".join(f"{name} ({n})" for name, n in counts.most_common(3))
+        if len(counts) > 3:
+            spread += f", +{len(counts) - 3} more"
+        times = [m.dead_lettered_at for m in members if m.dead_lettered_at]
+        rows.append((str(len(members)), key, spread, _when(min(times) if times else None)))
+    _print_table(("COUNT", by.upper(), f"{other.upper()}S", "OLDEST"), rows)
+    print(f"{len(letters)} dead letters in {len(groups)} groups", file=sys.stderr)
+
+
+def _other(letter: DeadLetterInfo, what: str) -> str:
+    if what == "type":
+        return letter.type or "-"
+    return reason_group(logs.scrub(letter.reason))
+
+
+def _when(moment: datetime | None) -> str:
+    return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S") if moment else "-"
+
+
+def _print_table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> None:
+    """Plain columns; the last one is cut to the terminal's width."""
+    widths = [max([len(header[i]), *(len(row[i]) for row in rows)]) for i in range(len(header))]
+    width = shutil.get_terminal_size((120, 24)).columns
+    lead = sum(widths[:-1]) + 2 * (len(widths) - 1)
+    room = max(20, width - lead)
+    for row in (header, *rows):
+        cells = [cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])]
+        last = row[-1] if len(row[-1]) <= room else row[-1][: room - 1] + "…"
+        print("  ".join([*cells, last]).rstrip())
+
+
+# -- one line for every failure ----------------------------------------------------
+
+_DATABASE_COMMANDS = frozenset({"run", "migrate", "sweep", "purge-inbox"})
+_ASYNCPG_PREFIX = re.compile(r"^<class '[\w.]+'>: ")
+
+
+def database_failure(exc: BaseException, command: str) -> str | None:
+    """One line for a database that cannot serve the command, or None for any other error.
+
+    Names the (redacted) database and what went wrong: not reachable, login
+    refused, no such database, or no schema (``worker migrate`` never ran).
+    """
+    from sqlalchemy.exc import DBAPIError
+
+    from worker.db import Failure, classify, redact, sqlstate
+
+    code: str | None
+    if isinstance(exc, DBAPIError):
+        code, text = sqlstate(exc), str(exc.orig)
+    elif isinstance(getattr(exc, "sqlstate", None), str):  # asyncpg's own, raised unwrapped
+        code, text = getattr(exc, "sqlstate", None), str(exc)
+    elif command in _DATABASE_COMMANDS and isinstance(exc, OSError | TimeoutError):
+        code, text = None, f"{type(exc).__name__}: {exc}".rstrip(": ")
+    else:
+        return None
+    text = logs.scrub(_ASYNCPG_PREFIX.sub("", (text.strip().splitlines() or ["?"])[0]))
+    where = redact(os.environ.get("WORKER_DATABASE_URL") or _default_database_url())
+    if code == "42P01" or "no such table" in text:
+        return f"worker: database not migrated: {where}: {text} (run: worker migrate)"
+    if code is not None and code.startswith("28"):
+        return f"worker: database refused the login: {where}: {text}"
+    if code == "3D000":
+        return f"worker: database does not exist: {where}: {text}"
+    if classify(exc) is Failure.CONNECTION or code is None:
+        return f"worker: database unavailable: {where}: {text}"
+    return f"worker: database error: {where}: {text}"
+
+
+def _default_database_url() -> str:
+    default = Settings.model_fields["database_url"].default
+    return default if isinstance(default, str) else ""
+
+
+def _quiet_libraries(settings: Settings) -> None:
+    """One-shot commands say what failed in one line: the libraries' own error lines
+    (aiormq, aiokafka retrying a connection) would only repeat it, so they stay quiet
+    unless WORKER_LOG_LEVEL=DEBUG."""
+    if settings.log_level != "DEBUG":
+        logging.getLogger().setLevel(logging.CRITICAL)
 
 
 _NETWORK_BROKERS = ("rabbitmq", "kafka", "servicebus")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
 from worker.errors import ConfigurationError
@@ -67,19 +68,35 @@ def load_identity(path: str | None, default: IdentityFunc) -> IdentityFunc:
     return func  # type: ignore[no-any-return]
 
 
+DEFAULT_SCAN = 10_000
+"""Dead letters one ``worker dlq`` call looks at, at most (``--scan``)."""
+
+
 class Admin(Protocol):
-    """Operator tools behind ``worker publish`` and ``worker dlq``, one per broker module."""
+    """Operator tools behind ``worker publish`` and ``worker dlq``, one per broker module.
+
+    ``match`` selects dead letters (``None``: all); ``scan`` bounds how many dead
+    letters one call looks at, so a queue of millions costs a bounded amount.
+    """
 
     async def publish(self, messages: list[OutgoingMessage]) -> int:
         """Send messages to the worker's input; returns how many were sent."""
         ...
 
-    async def dead_letters(self, limit: int) -> list[DeadLetterInfo]:
-        """Peek at up to ``limit`` dead letters without removing them."""
+    async def dead_letters(
+        self, limit: int, match: DeadLetterFilter | None = None, *, scan: int = DEFAULT_SCAN
+    ) -> list[DeadLetterInfo]:
+        """Peek at up to ``limit`` matching dead letters, oldest first, changing nothing."""
         ...
 
-    async def resubmit(self, limit: int) -> int:
-        """Move up to ``limit`` dead letters back to the input; returns how many moved."""
+    async def resubmit(
+        self, limit: int, match: DeadLetterFilter | None = None, *, scan: int = DEFAULT_SCAN
+    ) -> int:
+        """Move up to ``limit`` matching dead letters back to the input; returns how many moved.
+
+        Each move is a confirmed copy, then the removal of the original; dead letters
+        that do not match stay where they are.
+        """
         ...
 
     async def close(self) -> None: ...
@@ -102,6 +119,44 @@ class DeadLetterInfo:
     reason: str
     body: bytes
     headers: dict[str, Any] = field(default_factory=dict)
+    dead_lettered_at: datetime | None = None  # None: the broker did not say
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterFilter:
+    """Which dead letters ``worker dlq`` lists or re-submits; the empty filter takes all.
+
+    A letter matches when every given criterion holds: its type is one of ``types``,
+    ``reason`` is a substring of its reason (case-insensitive), it was dead-lettered
+    at or after ``since`` (a letter whose time is unknown does not match), its
+    message id is one of ``ids``.
+    """
+
+    types: frozenset[str] = frozenset()
+    reason: str | None = None
+    since: datetime | None = None
+    ids: frozenset[str] = frozenset()
+
+    @property
+    def everything(self) -> bool:
+        return not (self.types or self.reason or self.since or self.ids)
+
+    def __call__(self, letter: DeadLetterInfo) -> bool:
+        if self.types and letter.type not in self.types:
+            return False
+        if self.ids and letter.message_id not in self.ids:
+            return False
+        if self.reason and self.reason.casefold() not in letter.reason.casefold():
+            return False
+        if self.since is not None:
+            at = letter.dead_lettered_at
+            if at is None or _aware(at) < _aware(self.since):
+                return False
+        return True
+
+
+def _aware(moment: datetime) -> datetime:
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 def _adapter_module(settings: Settings) -> Any:

@@ -27,6 +27,7 @@ import json
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 from aiokafka import (  # type: ignore[import-untyped]
@@ -53,7 +54,14 @@ from aiokafka.helpers import create_ssl_context  # type: ignore[import-untyped]
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from worker.brokers import DeadLetterInfo, IdentityFunc, OutgoingMessage, load_identity
+from worker.brokers import (
+    DEFAULT_SCAN,
+    DeadLetterFilter,
+    DeadLetterInfo,
+    IdentityFunc,
+    OutgoingMessage,
+    load_identity,
+)
 from worker.delivery import Delivery
 from worker.errors import BrokerUnavailable, ConfigurationError, SettlementLost
 from worker.logs import get_logger
@@ -914,51 +922,97 @@ class KafkaAdmin:
             raise BrokerUnavailable(f"publishing to {topic!r}: {exc}") from None
         return len(messages)
 
-    async def dead_letters(self, limit: int) -> list[DeadLetterInfo]:
+    async def dead_letters(
+        self, limit: int, match: DeadLetterFilter | None = None, *, scan: int = DEFAULT_SCAN
+    ) -> list[DeadLetterInfo]:
+        """Read the pending dead letters without committing: listing changes nothing."""
         consumer = await self._dead_letter_consumer()
         try:
-            records = await self._pending(consumer, limit)
+            records = await self._pending(consumer, scan)
+        except KafkaError as exc:
+            raise BrokerUnavailable(f"reading dead letters: {exc}") from None
         finally:
             await consumer.stop()
-        return [self._info(record) for record in records]
+        letters = [self._info(record) for record in records]
+        return [letter for letter in letters if match is None or match(letter)][:limit]
 
-    async def resubmit(self, limit: int) -> int:
-        kafka = self.kafka
+    async def resubmit(
+        self, limit: int, match: DeadLetterFilter | None = None, *, scan: int = DEFAULT_SCAN
+    ) -> int:
+        """Send matching dead letters back to their topic, then commit the group past them.
+
+        The commit point of a partition can only move over a contiguous prefix: a
+        dead letter that does not match but lies before a moved one is appended to
+        the dead-letter topic again (same partition, key, headers and timestamp)
+        before the commit, so it stays pending, now at the end of its partition.
+        Every send is acknowledged before the commit; a crash in between re-sends
+        under the same message id, and the inbox absorbs it.
+        """
         consumer = await self._dead_letter_consumer()
         try:
-            records = await self._pending(consumer, limit)
-            if not records:
+            records = await self._pending(consumer, scan)
+            chosen: set[tuple[str, int, int]] = set()
+            for record in records:  # offset order within each partition
+                if len(chosen) >= limit:
+                    break
+                if match is None or match(self._info(record)):
+                    chosen.add((record.topic, record.partition, record.offset))
+            if not chosen:
                 return 0
+            last: dict[Any, int] = {}
+            for topic, partition, offset in chosen:
+                tp = TopicPartition(topic, partition)
+                last[tp] = max(last.get(tp, -1), offset)
             producer = await self._producer_started()
-            sent, done = [], {}
+            sent = []
             for record in records:
-                headers = _headers(record)
-                topic = _text(headers.get(DLT_TOPIC)) or record.topic.removesuffix(
-                    kafka.dead_letter_suffix
-                )
-                out = [(k, v) for k, v in record.headers or () if not k.startswith(_DLT_PREFIX)]
-                if kafka.message_id_header not in headers and DLT_MESSAGE_ID in headers:
-                    # The id came from a fallback (CloudEvents, offset): keep it as the header,
-                    # or the record's new offset would make it a new message.
-                    out.append((kafka.message_id_header, headers[DLT_MESSAGE_ID]))
-                sent.append(await producer.send(topic, record.value, key=record.key, headers=out))
-                done[TopicPartition(record.topic, record.partition)] = record.offset + 1
+                tp = TopicPartition(record.topic, record.partition)
+                if record.offset > last.get(tp, -1):
+                    continue  # after the last moved one: left alone
+                if (record.topic, record.partition, record.offset) in chosen:
+                    sent.append(await self._send_back(producer, record))
+                else:
+                    sent.append(
+                        await producer.send(
+                            record.topic,
+                            record.value,
+                            key=record.key,
+                            headers=list(record.headers or ()),
+                            partition=record.partition,
+                            timestamp_ms=record.timestamp,
+                        )
+                    )
             await asyncio.gather(*sent)
-            await consumer.commit(done)
+            await consumer.commit({tp: offset + 1 for tp, offset in last.items()})
         except KafkaError as exc:
             raise BrokerUnavailable(f"re-submitting dead letters: {exc}") from None
         finally:
             await consumer.stop()
-        return len(records)
+        return len(chosen)
+
+    async def _send_back(self, producer: Any, record: Any) -> Any:
+        """Produce the dead letter to its original topic without the ``dlt-*`` headers."""
+        kafka = self.kafka
+        headers = _headers(record)
+        suffix = kafka.dead_letter_suffix
+        topic = _text(headers.get(DLT_TOPIC)) or record.topic.removesuffix(suffix)
+        out = [(k, v) for k, v in record.headers or () if not k.startswith(_DLT_PREFIX)]
+        if kafka.message_id_header not in headers and DLT_MESSAGE_ID in headers:
+            # The id came from a fallback (CloudEvents, offset): keep it as the header,
+            # or the record's new offset would make it a new message.
+            out.append((kafka.message_id_header, headers[DLT_MESSAGE_ID]))
+        return await producer.send(topic, record.value, key=record.key, headers=out)
 
     def _info(self, record: Any) -> DeadLetterInfo:
         headers = {k: v.decode("utf-8", "replace") for k, v in _headers(record).items()}
+        at = record.timestamp
         return DeadLetterInfo(
             message_id=headers.get(DLT_MESSAGE_ID),
             type=headers.get(self.kafka.type_header) or headers.get("ce_type"),
             reason=headers.get(DLT_REASON, ""),
             body=record.value or b"",
             headers=headers,
+            dead_lettered_at=datetime.fromtimestamp(at / 1000, UTC) if at and at > 0 else None,
         )
 
     async def _dead_letter_consumer(self) -> Any:

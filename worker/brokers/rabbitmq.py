@@ -54,7 +54,14 @@ from aiormq.exceptions import AMQPError, ChannelPreconditionFailed, DeliveryErro
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from worker.brokers import DeadLetterInfo, IdentityFunc, OutgoingMessage, load_identity
+from worker.brokers import (
+    DEFAULT_SCAN,
+    DeadLetterFilter,
+    DeadLetterInfo,
+    IdentityFunc,
+    OutgoingMessage,
+    load_identity,
+)
 from worker.db import redact
 from worker.delivery import Delivery
 from worker.errors import BrokerUnavailable, ConfigurationError, SettlementLost, WorkerError
@@ -210,6 +217,16 @@ def _int(value: Any) -> int:
         return max(int(value), 0)
     except (TypeError, ValueError):
         return 0
+
+
+def _dead_lettered_at(headers: Mapping[str, Any], death: Mapping[str, Any]) -> datetime | None:
+    """When the worker (``x-worker-dead-lettered-at``) or the broker (``x-death``) dead-lettered."""
+    stamp = _header(headers, "x-worker-dead-lettered-at")
+    if stamp is not None:
+        with contextlib.suppress(ValueError):
+            return datetime.fromisoformat(stamp)
+    at = death.get("time")
+    return at if isinstance(at, datetime) else None
 
 
 def _copy(message: AbstractIncomingMessage, **extra: Any) -> aio_pika.Message:
@@ -625,49 +642,92 @@ class RabbitMQAdmin:
             await asyncio.gather(*(send(m) for m in messages[start : start + _PUBLISH_BATCH]))
         return len(messages)
 
-    async def dead_letters(self, limit: int) -> list[DeadLetterInfo]:
-        """Peek: take up to ``limit`` unacked, then give them all back."""
-        await self._open()
-        assert self._connection is not None
-        peek = await self._connection.channel(publisher_confirms=False)
-        try:
-            dead = await peek.get_queue(self.settings.dead_letter_queue, ensure=False)
-            letters = []
-            for _ in range(limit):
+    async def dead_letters(
+        self, limit: int, match: DeadLetterFilter | None = None, *, scan: int = DEFAULT_SCAN
+    ) -> list[DeadLetterInfo]:
+        """Peek: take up to ``scan`` unacked, keep the matching ones, then give them all back.
+
+        The dead-letter queue is a classic queue: a message taken unacked and given
+        back by closing the channel returns to its place, and nothing counts it.
+        """
+        letters: list[DeadLetterInfo] = []
+        async with self._scanning() as dead:
+            for _ in range(scan):
+                if len(letters) >= limit:
+                    break
                 message = await dead.get(no_ack=False, fail=False)
                 if message is None:
                     break
-                letters.append(self._describe(message))
-        finally:
-            await peek.close()  # unacked messages return to the queue
+                letter = self._describe(message)
+                if match is None or match(letter):
+                    letters.append(letter)
         return letters
 
-    async def resubmit(self, limit: int) -> int:
-        """Move dead letters back to the work queue with a fresh delivery count."""
+    async def resubmit(
+        self, limit: int, match: DeadLetterFilter | None = None, *, scan: int = DEFAULT_SCAN
+    ) -> int:
+        """Move matching dead letters to the work queue with a fresh delivery count.
+
+        Each is taken unacked, copied (publisher-confirmed), then acked; the others
+        stay unacked until the scan ends and return to their places, in order.
+        """
         channel = await self._open()
-        dead = await channel.get_queue(self.settings.dead_letter_queue, ensure=False)
         moved = 0
-        while moved < limit:
-            message = await dead.get(no_ack=False, fail=False)
-            if message is None:
-                break
-            resubmits = _int((message.headers or {}).get("x-worker-resubmitted")) + 1
-            copy = _copy(message, **{"x-worker-resubmitted": resubmits})
-            await channel.default_exchange.publish(copy, self.settings.queue)
-            await message.ack()
-            moved += 1
+        async with self._scanning() as dead:
+            for _ in range(scan):
+                if moved >= limit:
+                    break
+                message = await dead.get(no_ack=False, fail=False)
+                if message is None:
+                    break
+                if match is not None and not match(self._describe(message)):
+                    continue
+                resubmits = _int((message.headers or {}).get("x-worker-resubmitted")) + 1
+                copy = _copy(message, **{"x-worker-resubmitted": resubmits})
+                try:
+                    await channel.default_exchange.publish(copy, self.settings.queue)
+                    await message.ack()
+                except _LOST as exc:
+                    raise BrokerUnavailable(
+                        f"re-submitting to {self.settings.queue!r}: {scrub(str(exc))} "
+                        f"({moved} moved before)"
+                    ) from None
+                moved += 1
         return moved
+
+    @contextlib.asynccontextmanager
+    async def _scanning(self) -> AsyncIterator[AbstractQueue]:
+        """The dead-letter queue on a channel of its own: closing it gives back what was taken."""
+        await self._open()
+        assert self._connection is not None
+        scan = None
+        try:
+            scan = await self._connection.channel(publisher_confirms=False)
+            yield await scan.get_queue(self.settings.dead_letter_queue, ensure=False)
+        except _LOST as exc:
+            raise BrokerUnavailable(
+                f"reading {self.settings.dead_letter_queue!r}: {scrub(str(exc))}"
+            ) from None
+        finally:
+            if scan is not None:
+                with contextlib.suppress(*_LOST):
+                    await scan.close()  # unacked messages return to the queue
 
     def _describe(self, message: AbstractIncomingMessage) -> DeadLetterInfo:
         headers = dict(message.headers or {})
         reason = _header(headers, REASON_HEADER)
+        deaths = headers.get("x-death")
+        first = deaths[0] if isinstance(deaths, list) and deaths else None
+        first = first if isinstance(first, dict) else {}
         if reason is None:  # dead-lettered by the broker itself (a policy, a TTL)
-            deaths = headers.get("x-death")
-            first = deaths[0] if isinstance(deaths, list) and deaths else None
-            first = first if isinstance(first, dict) else {}
             reason = f"broker: {_header(first, 'reason') or 'unknown'} in {_header(first, 'queue')}"
         return DeadLetterInfo(
-            self.identity(message), message_type(message), reason, message.body, headers
+            self.identity(message),
+            message_type(message),
+            reason,
+            message.body,
+            headers,
+            _dead_lettered_at(headers, first) or message.timestamp,
         )
 
     async def close(self) -> None:
