@@ -36,12 +36,13 @@ reporting not-ready meanwhile. Sessions are not supported (see docs/servicebus.m
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import importlib
 import json
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol, Self, cast
 
@@ -64,7 +65,14 @@ from azure.servicebus.exceptions import (
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from worker.brokers import DeadLetterInfo, IdentityFunc, OutgoingMessage, load_identity
+from worker.brokers import (
+    DEFAULT_SCAN,
+    DeadLetterFilter,
+    DeadLetterInfo,
+    IdentityFunc,
+    OutgoingMessage,
+    load_identity,
+)
 from worker.delivery import Delivery
 from worker.errors import AlreadySettled, BrokerUnavailable, ConfigurationError, SettlementLost
 from worker.logs import get_logger
@@ -1042,7 +1050,8 @@ class ServiceBusAdmin:
         return outgoing
 
     async def publish(self, messages: list[OutgoingMessage]) -> int:
-        return await self.send([self.outgoing(m) for m in messages])
+        async with self._translated("publishing"):
+            return await self.send([self.outgoing(m) for m in messages])
 
     async def send(self, messages: list[ServiceBusMessage]) -> int:
         sender = self._sender()
@@ -1058,22 +1067,29 @@ class ServiceBusAdmin:
             await sender.close()
         return len(messages)
 
-    async def dead_letters(self, limit: int) -> list[DeadLetterInfo]:
+    async def dead_letters(
+        self, limit: int, match: DeadLetterFilter | None = None, *, scan: int = DEFAULT_SCAN
+    ) -> list[DeadLetterInfo]:
+        """Peek (no lock, no delivery count) at up to ``scan`` dead letters; keep the matching."""
         receiver = self._dead_letter_receiver()
         letters: list[DeadLetterInfo] = []
+        scanned = 0
         try:
-            await receiver.__aenter__()
-            sequence = 0
-            while len(letters) < limit:
-                page = await receiver.peek_messages(
-                    min(100, limit - len(letters)), sequence_number=sequence
-                )
-                if not page:
-                    break
-                letters.extend(self._info(message) for message in page)
-                sequence = (page[-1].sequence_number or 0) + 1
+            async with self._translated("peeking at dead letters"):
+                await receiver.__aenter__()
+                sequence = 0
+                while len(letters) < limit and scanned < scan:
+                    page = await receiver.peek_messages(
+                        min(100, scan - scanned), sequence_number=sequence
+                    )
+                    if not page:
+                        break
+                    scanned += len(page)
+                    found = (self._info(message) for message in page)
+                    letters.extend(f for f in found if match is None or match(f))
+                    sequence = (page[-1].sequence_number or 0) + 1
         finally:
-            await receiver.close()
+            await _quietly(receiver.close())
         return letters[:limit]
 
     def _info(self, message: ServiceBusReceivedMessage) -> DeadLetterInfo:
@@ -1086,27 +1102,60 @@ class ServiceBusAdmin:
             reason,
             body_of(message),
             application_properties(message),
+            # Service Bus records no dead-letter time: the time the message was enqueued
+            message.enqueued_time_utc,
         )
 
-    async def resubmit(self, limit: int) -> int:
-        """Copy each dead letter to the entity, then complete it: a crash in between duplicates."""
+    async def resubmit(
+        self, limit: int, match: DeadLetterFilter | None = None, *, scan: int = DEFAULT_SCAN
+    ) -> int:
+        """Copy each matching dead letter to the entity, then complete it.
+
+        A crash in between duplicates (the inbox absorbs it). Dead letters that do
+        not match stay locked until the scan ends, then are abandoned: they keep
+        their sequence numbers (their order), and their delivery count grows by one,
+        which nothing acts on in a dead-letter queue.
+        """
         receiver = self._dead_letter_receiver()
-        moved = 0
+        moved = scanned = 0
+        held: list[ServiceBusReceivedMessage] = []
         try:
-            await receiver.__aenter__()
-            while moved < limit:
-                batch = await receiver.receive_messages(
-                    min(_SEND_CHUNK, limit - moved), max_wait_time=self.settings.receive_wait
-                )
-                if not batch:
-                    break
-                await self.send([_copy(message) for message in batch])
-                for message in batch:
-                    await receiver.complete_message(message)
-                moved += len(batch)
+            async with self._translated("re-submitting dead letters"):
+                await receiver.__aenter__()
+                while moved < limit and scanned < scan:
+                    wanted = limit - moved if match is None else scan - scanned
+                    batch = await receiver.receive_messages(
+                        min(_SEND_CHUNK, wanted), max_wait_time=self.settings.receive_wait
+                    )
+                    if not batch:
+                        break
+                    scanned += len(batch)
+                    chosen: list[ServiceBusReceivedMessage] = []
+                    for message in batch:
+                        wanted_more = moved + len(chosen) < limit
+                        if wanted_more and (match is None or match(self._info(message))):
+                            chosen.append(message)
+                        else:
+                            held.append(message)
+                    if chosen:
+                        await self.send([_copy(message) for message in chosen])
+                        for message in chosen:
+                            await receiver.complete_message(message)
+                        moved += len(chosen)
         finally:
-            await receiver.close()
+            for message in held:
+                await _quietly(receiver.abandon_message(message))
+            await _quietly(receiver.close())
         return moved
+
+    @contextlib.asynccontextmanager
+    async def _translated(self, what: str) -> AsyncIterator[None]:
+        """Service Bus errors become :class:`BrokerUnavailable`, naming the entity."""
+        try:
+            yield
+        except ServiceBusError as exc:
+            entity = self.settings.queue or f"{self.settings.topic}/{self.settings.subscription}"
+            raise BrokerUnavailable(f"service bus {entity!r}, {what}: {_describe(exc)}") from None
 
     async def close(self) -> None:
         if self._client is not None:
