@@ -15,6 +15,8 @@ from worker.errors import ConfigurationError, Poison, Retry
 
 # The provider may succeed later on these; any other 4xx will never succeed.
 _TRY_AGAIN = frozenset({408, 409, 425, 429})
+# Sent, unanswered: unlike a refused connection (a definite failure), the call may have worked.
+_NO_ANSWER = (httpx.ReadTimeout, httpx.WriteTimeout, httpx.ReadError, httpx.RemoteProtocolError)
 
 
 class SendWelcomeEmail(BaseModel):
@@ -29,12 +31,18 @@ async def send_welcome_email(ctx: ClaimContext, message: SendWelcomeEmail) -> st
     url = ctx.settings.mail_api_url
     if not url:
         raise ConfigurationError("WORKER_MAIL_API_URL is not set")
-    async with httpx.AsyncClient(timeout=ctx.settings.claim_call_timeout) as client:
-        response = await client.post(
-            url,
-            json={"template": "welcome", "user_id": message.user_id, "to": message.email},
-            headers={"Idempotency-Key": ctx.idempotency_key},
-        )
+    # the time the claim leaves the call: the call timeout, or less when the lease is shorter
+    async with httpx.AsyncClient(timeout=ctx.time_left) as client:
+        try:
+            response = await client.post(
+                url,
+                json={"template": "welcome", "user_id": message.user_id, "to": message.email},
+                headers={"Idempotency-Key": ctx.idempotency_key},
+            )
+        except _NO_ANSWER as exc:
+            # Sent, but no answer: the e-mail may be on its way. A TimeoutError tells the
+            # claim "outcome unknown", so it keeps its lease instead of inviting a second call.
+            raise TimeoutError(f"mail API did not answer: {type(exc).__name__}") from exc
     status = response.status_code
     if status < 300:
         return f"HTTP {status}"

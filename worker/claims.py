@@ -24,8 +24,13 @@ A crash between claim and call therefore delays the call by one lease instead
 of skipping it forever; a crash between call and mark repeats the call with the
 same idempotency key, which the provider deduplicates. A failed call releases
 the lease (so the redelivery may take over at once) and is never marked
-finished. Lease times come from the database's clock on PostgreSQL, so a
-replica whose clock runs fast cannot steal a live claim.
+finished. A call that timed out keeps its lease: its outcome is unknown (the
+provider may still be working on it), so nobody calls again with the same key
+until the lease has run out; the delivery comes back after the rest of the
+lease. Lease times come from the database's clock on PostgreSQL, so a replica
+whose clock runs fast cannot steal a live claim, and the call is bounded by the
+lease as the database set it, measured from before the claim's statement was
+sent: a slow claim (a commit, a lock wait) shortens the call, never the margin.
 
 Only one replica's "finished" mark commits: a replica whose mark finds the claim
 already finished (its lease ran out and a takeover finished first) rolls its
@@ -47,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
@@ -69,11 +75,12 @@ from sqlalchemy import (
 )
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from worker.db import HANDLER_RUNNING, insert_ignoring_conflicts
+from worker.db import HANDLER_RUNNING, Failure, classify, insert_ignoring_conflicts
 from worker.errors import Poison, Retry
 from worker.inbox import InboxMarker
-from worker.logs import get_logger
+from worker.logs import get_logger, scrub
 from worker.registry import Context, Handler, HandlerFunc, Registry, registry
+from worker.retry import backoff
 
 if TYPE_CHECKING:
     from worker.delivery import Delivery
@@ -86,6 +93,17 @@ ACK, NACK, DEAD_LETTER = "ack", "nack", "dead-letter"
 
 _inbox = cast(Table, InboxMarker.__table__)
 _OWNER_PREFIX = f"{socket.gethostname()}:{os.getpid()}"[:110]
+_OUTCOME_LENGTH = 255  # inbox.outcome
+
+
+def _outcome(text: str) -> str:
+    """An outcome as the inbox stores it: scrubbed first, then cut (a cut URL hides from scrub)."""
+    return scrub(text)[:_OUTCOME_LENGTH]
+
+
+def _margin(lease: float) -> float:
+    """How long before its lease ends a call is cut: room for the loop's lag and the cut itself."""
+    return min(1.0, lease * 0.05)
 
 
 class ClaimContext(Context):
@@ -96,19 +114,33 @@ class ClaimContext(Context):
     no connection while it waits on the network.
     """
 
-    __slots__ = ("claim", "settings")
+    __slots__ = ("call_deadline", "claim", "settings")
 
     claim: Claim
     settings: Settings
+    call_deadline: float  # time.monotonic() by which the call is cut
 
     @property
     def idempotency_key(self) -> str:
         """The key the provider deduplicates repeated calls by: the message id."""
         return self.message_id
 
+    @property
+    def time_left(self) -> float:
+        """Seconds until the call is cut (the call timeout or the lease, whichever ends first).
+
+        Use it as the HTTP client's timeout, so the client gives up by itself.
+        """
+        return max(0.0, self.call_deadline - time.monotonic())
+
 
 ClaimFunc = Callable[[ClaimContext, M], Awaitable[str | None]]
-"""A side-effect handler; what it returns is stored as the claim's outcome."""
+"""A side-effect handler; what it returns is stored as the claim's outcome.
+
+An exception is a definite failure: the lease is released for a redelivery to
+take over. A ``TimeoutError`` (raised, or let through from a client that gave
+up waiting for an answer) means "sent, outcome unknown": the lease is kept.
+"""
 
 
 def side_effect(
@@ -132,6 +164,9 @@ class Claim:
     owner: str
     attempts: int  # 1 for the first claim, +1 for every takeover
     lease_until: datetime
+    # time.monotonic() by which a call under this claim must have ended: the lease as the
+    # database set it, counted from before the claim's statement was sent, minus a margin
+    deadline: float = float("inf")
 
     @property
     def taken_over(self) -> bool:
@@ -153,6 +188,9 @@ class Outcome:
     outcome: str
     reason: str | None = None
     delay: float | None = None
+    # False: the message is not to blame (someone else's live claim, contention on the
+    # claim, a lease spent before the call): nack(counted=False) keeps its delivery count
+    counted: bool = True
 
 
 # -- phase 1: claim ------------------------------------------------------------------
@@ -175,6 +213,19 @@ def _owner() -> str:
     return f"{_OWNER_PREFIX}:{uuid.uuid4().hex[:12]}"
 
 
+def _claim(row: Any, owner: str, attempts: int, started: float) -> Claim:
+    """A claim from its statement's RETURNING row (id, lease_until, now).
+
+    The lease started at the statement's own time, which is later than ``started``
+    (taken before the statement was sent), so ``started`` + the lease the database
+    set ends no later than the lease does, whatever the commit and the network
+    cost afterwards, and without comparing this host's clock with the database's.
+    """
+    lease_until = _aware(row.lease_until)
+    lease = (lease_until - _aware(row.now)).total_seconds()
+    return Claim(row.id, owner, attempts, lease_until, started + lease - _margin(lease))
+
+
 async def acquire(
     sessions: async_sessionmaker[Any],
     message_id: str,
@@ -189,6 +240,7 @@ async def acquire(
     One short transaction: insert the claimed marker, or take an expired claim
     over, or read why neither was possible.
     """
+    started = time.monotonic()  # before any lease can start: see _claim
     session: AsyncSession = sessions()
     owner = _owner()
     try:
@@ -203,12 +255,13 @@ async def acquire(
             message_type=message_type,
             body=body,
         )
-        row = (await session.execute(fresh.returning(_inbox.c.id, _inbox.c.lease_until))).first()
+        returning = fresh.returning(_inbox.c.id, _inbox.c.lease_until, _now(session).label("now"))
+        row = (await session.execute(returning)).first()
         if row is not None:
             await AsyncSession.commit(session)
-            return Claim(row.id, owner, 1, _aware(row.lease_until))
+            return _claim(row, owner, 1, started)
         mine = _inbox.c.message_id == message_id, _inbox.c.consumer == consumer
-        claim = await _take_over(session, mine, owner, lease, abandoned=True)
+        claim = await _take_over(session, mine, owner, lease, started, abandoned=True)
         if claim is not None:
             await AsyncSession.commit(session)
             return claim
@@ -219,10 +272,13 @@ async def acquire(
                 )
             )
         ).first()
-        if state is None or state.state == ABANDONED:
-            return Held(0.0)  # purged or abandoned in between: look again
-        if state.state != CLAIMED:
+        if state is None:
+            return Held(0.0)  # purged in between: look again
+        if state.state == FINISHED:
             return None
+        if state.lease_until is None:
+            return Held(0.0)  # abandoned (or released) in between: look again
+        # a live lease; an abandoned claim keeps one after a call that timed out
         return Held(max(0.0, (_aware(state.lease_until) - _aware(state.now)).total_seconds()))
     finally:
         await _close(session)
@@ -233,6 +289,7 @@ async def _take_over(
     where: tuple[ColumnElement[bool], ...],
     owner: str,
     lease: float,
+    started: float,
     *,
     abandoned: bool = False,
 ) -> Claim | None:
@@ -240,12 +297,18 @@ async def _take_over(
 
     On PostgreSQL a second replica's UPDATE waits for the first's row lock and
     then re-checks the WHERE against the new lease, which no longer qualifies.
-    ``abandoned``: a new delivery may also take an abandoned claim (the sweeper may not).
+    ``abandoned``: a new delivery may also take an abandoned claim (the sweeper may
+    not), once the lease it may still carry (a call that timed out) has run out.
     """
-    expired = and_(_inbox.c.state == CLAIMED, _inbox.c.lease_until < _now(session))
+    now = _now(session)
+    expired = and_(_inbox.c.state == CLAIMED, _inbox.c.lease_until < now)
+    given_up = and_(
+        _inbox.c.state == ABANDONED,
+        or_(_inbox.c.lease_until.is_(None), _inbox.c.lease_until < now),
+    )
     statement = (
         update(_inbox)
-        .where(*where, or_(expired, _inbox.c.state == ABANDONED) if abandoned else expired)
+        .where(*where, or_(expired, given_up) if abandoned else expired)
         .values(
             state=CLAIMED,
             processed_at=None,
@@ -253,17 +316,18 @@ async def _take_over(
             lease_until=_after(session, lease),
             attempts=_inbox.c.attempts + 1,
         )
-        .returning(_inbox.c.id, _inbox.c.attempts, _inbox.c.lease_until)
+        .returning(_inbox.c.id, _inbox.c.attempts, _inbox.c.lease_until, now.label("now"))
     )
     row = (await session.execute(statement)).first()
-    return None if row is None else Claim(row.id, owner, row.attempts, _aware(row.lease_until))
+    return None if row is None else _claim(row, owner, row.attempts, started)
 
 
 async def take_over(sessions: async_sessionmaker[Any], claim_id: int, lease: float) -> Claim | None:
     """Take the expired claim ``claim_id`` over (the sweeper's way in); None if someone else won."""
+    started = time.monotonic()
     session: AsyncSession = sessions()
     try:
-        claim = await _take_over(session, (_inbox.c.id == claim_id,), _owner(), lease)
+        claim = await _take_over(session, (_inbox.c.id == claim_id,), _owner(), lease, started)
         await AsyncSession.commit(session)
         return claim
     finally:
@@ -284,22 +348,31 @@ async def process(
     """One delivery of a side-effect message: claim, call, mark; the pump settles the Outcome."""
     message_id = delivery.message_id
     assert message_id is not None
-    got = await acquire(
-        sessions,
-        message_id,
-        handler.consumer,
-        settings.claim_lease,
-        message_type=delivery.type,
-        body=delivery.body,
-    )
+    try:
+        got = await acquire(
+            sessions,
+            message_id,
+            handler.consumer,
+            settings.claim_lease,
+            message_type=delivery.type,
+            body=delivery.body,
+        )
+    except Exception as exc:
+        failure = classify(exc)
+        if failure is not Failure.TRANSIENT and failure is not Failure.CONFLICT:
+            raise  # the pump decides: an outage pauses it, anything else is a failure
+        # A deadlock or a busy SQLite file on the claim: contention, not the message's fault.
+        delay = backoff(delivery.delivery_count, settings.retry_backoff, settings.retry_backoff_max)
+        reason = scrub(f"claim contended ({failure.value}): {type(exc).__name__}: {exc}")
+        return Outcome(NACK, "claim-contended", reason, delay, counted=False)
     if got is None:
         return Outcome(ACK, "duplicate")
     if isinstance(got, Held):
         # Come back when the lease has run out: finished by then, or ours to take over.
+        # Waiting for someone else's lease is not this message's failure: not counted.
         delay = min(settings.claim_lease, got.remaining + 0.05)
-        return Outcome(
-            NACK, "claim-held", f"claimed elsewhere, lease ends in {got.remaining:.1f}s", delay
-        )
+        reason = f"claimed elsewhere, lease ends in {got.remaining:.1f}s"
+        return Outcome(NACK, "claim-held", reason, delay, counted=False)
     if got.taken_over:
         log.warning(
             "expired claim taken over",
@@ -335,40 +408,56 @@ async def run(
 ) -> Outcome:
     """Call the handler under the claim, then mark it finished; release it if the call failed.
 
-    A failure that dead-letters the message (``Poison``, or any failure but ``Retry``
-    on the last allowed delivery, as the pump decides) abandons the claim instead.
+    The call is cut at ``WORKER_CLAIM_CALL_TIMEOUT`` or shortly before the claim's
+    lease ends, whichever comes first. A cut call keeps its lease (its outcome is
+    unknown) and the delivery is nacked until the lease is over. A failure that
+    dead-letters the message (``Poison``, or any failure but ``Retry`` on the
+    last allowed delivery, as the pump decides) abandons the claim instead.
     """
+    who = {"message_id": message_id, "consumer": handler.consumer}
+    budget = min(settings.claim_call_timeout, claim.deadline - time.monotonic())
+    if budget <= 0:
+        # The claim itself (a lock wait, a slow commit) ate the lease: calling now could
+        # overlap a takeover. Nothing was called, so the lease may go at once.
+        spent = TimeoutError("the lease ran out while the claim was being committed")
+        await _release(sessions, claim, spent, log, abandon=False, prefix="not called", **who)
+        delay = backoff(claim.attempts, settings.retry_backoff, settings.retry_backoff_max)
+        return Outcome(NACK, "lease-spent", f"{handler.consumer}: {spent}", delay, counted=False)
     session = sessions()
     context = ClaimContext(
         session, message_id, handler.consumer, delivery_count, claim.attempts, headers
     )
     context.claim = claim
     context.settings = settings
+    context.call_deadline = time.monotonic() + budget
     func = cast(ClaimFunc[Any], handler.func)
     last = delivery_count >= settings.max_deliveries  # the sweeper passes 0
-    who = {"message_id": message_id, "consumer": handler.consumer}
+    cut = asyncio.timeout(budget)
     try:
         try:
             running = HANDLER_RUNNING.set(True)  # the claim commits, never the handler
             try:
-                async with asyncio.timeout(settings.claim_call_timeout):
+                async with cut:
                     result = await func(context, message)
             finally:
                 HANDLER_RUNNING.reset(running)
-        except TimeoutError:
-            error: Exception = TimeoutError(
-                f"call took longer than WORKER_CLAIM_CALL_TIMEOUT={settings.claim_call_timeout}s"
-            )
-            await _release(sessions, claim, error, log, abandon=last, **who)
-            raise error from None
+        except TimeoutError as exc:
+            # ours, or the handler's own (its HTTP client gave up): the outcome is unknown
+            if not cut.expired():
+                text = f"{exc}" or "the call timed out"
+            elif budget < settings.claim_call_timeout:
+                text = f"call cut after {budget:.2f}s, before the claim's lease ends"
+            else:
+                text = f"call took longer than WORKER_CLAIM_CALL_TIMEOUT={budget}s"
+            return await _timed_out(sessions, claim, TimeoutError(text), settings, log, last, who)
         except Exception as exc:
             # CancelledError (shutdown, a crash) skips this: the lease runs out instead.
             abandon = isinstance(exc, Poison) or (last and not isinstance(exc, Retry))
             await _release(sessions, claim, exc, log, abandon=abandon, **who)
             if isinstance(exc, Poison):
-                return Outcome(DEAD_LETTER, "poison", f"{handler.consumer}: {exc}")
+                return Outcome(DEAD_LETTER, "poison", scrub(f"{handler.consumer}: {exc}"))
             if isinstance(exc, Retry):
-                return Outcome(NACK, "retry-requested", str(exc), exc.delay)
+                return Outcome(NACK, "retry-requested", scrub(str(exc)), exc.delay)
             raise
         finished = await _finish(session, claim, result or "ok")
     finally:
@@ -389,6 +478,61 @@ async def run(
     return Outcome(ACK, "committed")
 
 
+async def _timed_out(
+    sessions: async_sessionmaker[Any],
+    claim: Claim,
+    error: TimeoutError,
+    settings: Settings,
+    log: Any,
+    last: bool,
+    who: dict[str, str],
+) -> Outcome:
+    """A cut call: the provider may still be working on it, so the lease stays.
+
+    Releasing it would let the redelivery take over and call again with the same
+    key while the first call still runs. The delivery comes back after the rest
+    of the lease, counted (the call failed to answer in time); on the last allowed
+    delivery it is dead-lettered and the claim abandoned, lease kept, so even a
+    re-submitted dead letter waits for the lease to end.
+    """
+    if last:
+        await _release(sessions, claim, error, log, prefix="unknown", abandon=True, **who)
+        raise error
+    remaining = await _keep(sessions, claim, error, log)
+    delay = min(settings.claim_lease, remaining + 0.05)
+    reason = scrub(f"{error}; outcome unknown, lease kept ({remaining:.1f}s left)")
+    return Outcome(NACK, "call-timeout", reason, delay)
+
+
+async def _keep(
+    sessions: async_sessionmaker[Any], claim: Claim, error: BaseException, log: Any
+) -> float:
+    """Record a cut call on the claim, lease untouched; the seconds its lease still runs."""
+    session: AsyncSession = sessions()
+    try:
+        row = (
+            await session.execute(
+                update(_inbox)
+                .where(
+                    _inbox.c.id == claim.id,
+                    _inbox.c.state == CLAIMED,
+                    _inbox.c.claimed_by == claim.owner,
+                )
+                .values(outcome=_outcome(f"unknown: {type(error).__name__}: {error}"))
+                .returning(_inbox.c.lease_until, _now(session).label("now"))
+            )
+        ).first()
+        await AsyncSession.commit(session)
+    except Exception as exc:  # the lease runs out by itself; a redelivery before then waits
+        log.warning("claim update failed", claim_id=claim.id, error=exc)
+        row = None
+    finally:
+        await _close(session)
+    if row is None:  # taken over meanwhile, or no answer: our own bound is the best we know
+        return max(0.0, claim.deadline - time.monotonic())
+    return max(0.0, (_aware(row.lease_until) - _aware(row.now)).total_seconds())
+
+
 async def _finish(session: AsyncSession, claim: Claim, outcome: str) -> bool:
     """Mark the claim finished and commit the handler's writes with it; False if lost.
 
@@ -405,7 +549,7 @@ async def _finish(session: AsyncSession, claim: Claim, outcome: str) -> bool:
         .values(
             state=FINISHED,
             processed_at=_now(session),
-            outcome=outcome[:255],
+            outcome=_outcome(outcome),
             lease_until=None,
             body=None,
         )
@@ -428,18 +572,22 @@ async def _release(
     message_id: str | None = None,
     consumer: str | None = None,
     abandon: bool = False,
+    prefix: str = "failed",
 ) -> None:
     """End our lease now, so the redelivery may take over at once; record the error.
 
     With ``abandon`` the message is being dead-lettered: the claim becomes
     abandoned, so the sweeper leaves it alone. Conditional on the owner: if our
     lease already ran out and another replica took over, releasing would hand
-    its live claim to a third.
+    its live claim to a third. ``prefix="unknown"`` (a cut call) abandons the
+    claim but keeps its lease: the call may still be running.
     """
     session: AsyncSession = sessions()
-    values: dict[str, Any] = {"outcome": f"failed: {type(error).__name__}: {error}"[:255]}
+    values: dict[str, Any] = {"outcome": _outcome(f"{prefix}: {type(error).__name__}: {error}")}
     if abandon:
-        values.update(state=ABANDONED, lease_until=None, processed_at=_now(session))
+        values.update(state=ABANDONED, processed_at=_now(session))
+        if prefix != "unknown":
+            values.update(lease_until=None)
     else:
         values.update(lease_until=_now(session))
     try:
@@ -481,6 +629,11 @@ def _aware(value: datetime) -> datetime:
     return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
+def _printable(outcome: str | None) -> str | None:
+    """Outcomes are scrubbed when written; rows written before that was so are scrubbed here."""
+    return None if outcome is None else scrub(outcome)
+
+
 # -- the sweeper ---------------------------------------------------------------------------
 
 
@@ -508,7 +661,7 @@ class StaleClaim:
             "attempts": self.attempts,
             "lease_until": self.lease_until.isoformat(),
             "overdue_s": round(self.overdue, 1),
-            "last_outcome": self.outcome,
+            "last_outcome": _printable(self.outcome),
         }
 
 
@@ -688,7 +841,7 @@ async def abandoned_claims(
             "state": ABANDONED,
             "attempts": row.attempts,
             "abandoned_at": _aware(row.processed_at).isoformat() if row.processed_at else None,
-            "last_outcome": row.outcome,
+            "last_outcome": _printable(row.outcome),
         }
         for row in rows
     ]

@@ -7,7 +7,9 @@ handler prints ``REACHED`` at that point and waits there until it is killed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
+import time
 
 from handlers.notify import SendWelcomeEmail, send_welcome_email
 from worker import logs
@@ -27,7 +29,13 @@ async def main(cut: str) -> None:
     async def reached(where: str) -> None:
         if where == cut:
             print("REACHED", flush=True)
-            await asyncio.sleep(3600)  # until SIGKILL
+            # Until SIGKILL (60 s at most). The claim cuts the call before its lease ends;
+            # waiting on through that cut keeps this replica from moving on (nack, then a
+            # takeover of its own) in the moment before the test's kill arrives.
+            until = time.monotonic() + 60
+            while time.monotonic() < until:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(until - time.monotonic())
 
     @side_effect("SendWelcomeEmail", SendWelcomeEmail, consumer="welcome-email", registry=registry)
     async def send(ctx: ClaimContext, message: SendWelcomeEmail) -> str | None:

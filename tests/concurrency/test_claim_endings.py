@@ -16,12 +16,12 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from pydantic import BaseModel
 from sqlalchemy import insert, text
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from tests.concurrency.concurrency_helpers import INBOX, inbox_rows
@@ -113,7 +113,14 @@ async def test_a_replica_that_lost_its_claim_commits_none_of_its_writes(
     async with engine.begin() as connection:
         await connection.execute(text("CREATE TABLE claim_ledger (owner VARCHAR(200) NOT NULL)"))
 
+    b_finished = asyncio.Event()
+
     async def record(ctx: ClaimContext, message: Pay) -> str:
+        if ctx.claim.attempts == 1:  # replica A: a call that ignores the cut at its lease's end
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                await b_finished.wait()  # (a thread, a shielded await: it goes on regardless)
         # the call happened (same key both times); the write is sent at once, before the mark
         await ctx.session.execute(
             text("INSERT INTO claim_ledger (owner) VALUES (:o)"), {"o": ctx.claim.owner}
@@ -124,11 +131,6 @@ async def test_a_replica_that_lost_its_claim_commits_none_of_its_writes(
     _, handler = pay_registry(calls, record)
     settings = make_settings(claim_lease=5, claim_call_timeout=4)
     sessions = session_factory(engine)
-    slow = await claims.acquire(sessions, "m1", "pay", lease=0.2)  # replica A, still busy
-    assert isinstance(slow, claims.Claim)
-    await asyncio.sleep(0.4)  # A's lease runs out
-    fast = await claims.acquire(sessions, "m1", "pay", lease=5)  # the redelivery, replica B
-    assert isinstance(fast, claims.Claim) and fast.taken_over
 
     async def finish(claim: claims.Claim, delivery_count: int) -> claims.Outcome:
         return await claims.run(
@@ -143,8 +145,15 @@ async def test_a_replica_that_lost_its_claim_commits_none_of_its_writes(
             headers={},
         )
 
+    slow = await claims.acquire(sessions, "m1", "pay", lease=0.2)  # replica A
+    assert isinstance(slow, claims.Claim)
+    a_running = asyncio.create_task(finish(slow, 1))
+    await asyncio.sleep(0.4)  # A's lease runs out mid-call
+    fast = await claims.acquire(sessions, "m1", "pay", lease=5)  # the redelivery, replica B
+    assert isinstance(fast, claims.Claim) and fast.taken_over
     won = await finish(fast, 2)
-    lost = await finish(slow, 1)  # A's call returns only now; B finished first
+    b_finished.set()
+    lost = await asyncio.wait_for(a_running, 10)  # A's call returns only now; B finished first
     async with engine.connect() as connection:
         ledger = list((await connection.execute(text("SELECT owner FROM claim_ledger"))).scalars())
     [row] = await inbox_rows(engine)
@@ -343,3 +352,275 @@ async def test_abandoned_claims_are_listed_then_purged_with_the_finished_markers
     result = await retention.purge(engine, settings, pause=0)
     assert result.deleted == 1
     assert [row.message_id for row in await inbox_rows(engine)] == ["recent", "stuck"]
+
+
+async def deliver(
+    sessions: Any, handler: Handler[Any], settings: Any, delivery: FakeDelivery
+) -> claims.Outcome:
+    """:func:`claims.process` for a FakeDelivery of Pay(amount=10)."""
+    return await claims.process(
+        sessions, handler, Pay(amount=10), cast(Any, delivery), settings, LOG
+    )
+
+
+# -- issue 15: a cut call keeps its lease; the lease bounds the call -----------------------------
+
+
+async def hang(ctx: ClaimContext, message: Pay) -> str:
+    await asyncio.sleep(30)  # a provider that does not answer in time
+    return "paid"
+
+
+async def test_a_call_that_timed_out_keeps_its_lease_and_comes_back_after_it(
+    engine: AsyncEngine, make_settings: Any
+) -> None:
+    """A timeout says "outcome unknown", not "failed": the provider may still be sending."""
+    calls: Counter[str] = Counter()
+    _, handler = pay_registry(calls, hang)
+    settings = make_settings(claim_lease=1.5, claim_call_timeout=0.1, max_deliveries=3)
+    sessions = session_factory(engine)
+    outcome = await deliver(sessions, handler, settings, FakeDelivery(1))
+    [row] = await inbox_rows(engine)
+    twin = await claims.acquire(sessions, "m1", "pay", lease=1.5)  # a redelivery right now
+    assert (outcome.verb, outcome.outcome, outcome.counted) == ("nack", "call-timeout", True)
+    assert isinstance(twin, claims.Held) and twin.remaining > 1.0  # the lease still runs
+    assert outcome.delay is not None and outcome.delay >= twin.remaining  # back after it
+    assert row.state == "claimed" and row.lease_until is not None
+    assert row.outcome == (
+        "unknown: TimeoutError: call took longer than WORKER_CLAIM_CALL_TIMEOUT=0.1s"
+    )
+    assert calls == Counter({"m1": 1})
+
+
+async def test_a_call_that_timed_out_on_the_last_delivery_is_abandoned_with_its_lease(
+    engine: AsyncEngine, make_settings: Any
+) -> None:
+    """Dead-lettered (the pump does it, from the TimeoutError) and abandoned, but even a
+    re-submitted dead letter waits for the lease before it calls again."""
+    calls: Counter[str] = Counter()
+    _, handler = pay_registry(calls, hang)
+    settings = make_settings(claim_lease=1.0, claim_call_timeout=0.1, max_deliveries=2)
+    sessions = session_factory(engine)
+    with pytest.raises(TimeoutError, match="WORKER_CLAIM_CALL_TIMEOUT"):
+        await deliver(sessions, handler, settings, FakeDelivery(2))
+    [row] = await inbox_rows(engine)
+    assert (row.state, row.attempts) == ("abandoned", 1)
+    assert row.lease_until is not None and row.processed_at is not None
+    assert row.outcome.startswith("unknown: TimeoutError")
+    resubmitted = await claims.acquire(sessions, "m1", "pay", lease=1.0)
+    assert isinstance(resubmitted, claims.Held) and resubmitted.remaining > 0.5
+    await asyncio.sleep(resubmitted.remaining + 0.1)
+    later = await claims.acquire(sessions, "m1", "pay", lease=1.0)
+    assert isinstance(later, claims.Claim) and later.attempts == 2
+    assert await claims.stale_claims(sessions) == []  # abandoned: never the sweeper's
+
+
+async def hold_key(engine: AsyncEngine) -> AsyncConnection:
+    """Another transaction inserting claim m1/pay, uncommitted: a claim's INSERT waits for it
+    (on PostgreSQL for the key, on SQLite for the write lock) until it rolls back."""
+    blocker = await engine.connect()
+    await blocker.execute(
+        insert(INBOX).values(
+            message_id="m1",
+            consumer="pay",
+            state="claimed",
+            lease_until=datetime.now(UTC) + timedelta(seconds=30),
+            claimed_by="blocker",
+        )
+    )
+    return blocker
+
+
+async def claim_behind_blocker(
+    engine: AsyncEngine, handler: Handler[Any], settings: Any, held_for: float
+) -> Any:
+    """:func:`claims.process` whose claim waits ``held_for`` seconds for :func:`hold_key`."""
+    blocker = await hold_key(engine)
+    try:
+        task = asyncio.create_task(
+            deliver(session_factory(engine), handler, settings, FakeDelivery(1))
+        )
+        await asyncio.sleep(held_for)
+    finally:
+        await blocker.rollback()
+        await blocker.close()
+    [result] = await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 10)
+    return result
+
+
+async def test_the_call_ends_before_a_lease_that_a_slow_claim_shortened(
+    engine: AsyncEngine, make_settings: Any
+) -> None:
+    """Issue 15, suspected and confirmed: the lease starts with the claim's statement, the
+    call timeout used to start when its commit returned. The claim here waits 1 s for
+    another transaction, so half its 2 s lease is gone when the call starts: a 1.6 s call
+    timeout then ran 0.6 s past the lease, where a redelivery may take over and call too."""
+    cut: list[tuple[datetime, datetime]] = []
+
+    async def hang_and_note(ctx: ClaimContext, message: Pay) -> str:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cut.append((datetime.now(UTC), ctx.claim.lease_until))
+            raise
+        return "paid"
+
+    calls: Counter[str] = Counter()
+    _, handler = pay_registry(calls, hang_and_note)
+    settings = make_settings(claim_lease=2.0, claim_call_timeout=1.6)
+    outcome = await claim_behind_blocker(engine, handler, settings, held_for=1.0)
+    [(cut_at, lease_until)] = cut
+    assert cut_at < lease_until  # the lease as the database stored it
+    assert calls == Counter({"m1": 1})
+    assert (outcome.verb, outcome.outcome) == ("nack", "call-timeout")
+    assert "before the claim's lease ends" in outcome.reason
+
+
+async def test_a_lease_spent_by_the_claim_itself_is_given_back_uncounted_without_a_call(
+    engine: AsyncEngine, make_settings: Any
+) -> None:
+    async def send(ctx: ClaimContext, message: Pay) -> str:
+        return "paid"
+
+    calls: Counter[str] = Counter()
+    _, handler = pay_registry(calls, send)
+    settings = make_settings(claim_lease=0.5, claim_call_timeout=0.4)
+    outcome = await claim_behind_blocker(engine, handler, settings, held_for=0.8)
+    [row] = await inbox_rows(engine)
+    assert calls == Counter()  # calling now could overlap a takeover
+    assert (outcome.verb, outcome.outcome, outcome.counted) == ("nack", "lease-spent", False)
+    assert row.state == "claimed" and row.outcome.startswith("not called: TimeoutError")
+    taken = await claims.acquire(session_factory(engine), "m1", "pay", lease=5)
+    assert isinstance(taken, claims.Claim) and taken.attempts == 2  # released: at once
+
+
+# -- issue 15 item 9: claim outcomes leave the process scrubbed -----------------------------------
+
+DSN = "postgresql://ledger:S3cr3tPassw0rd@db/x"
+
+
+async def test_claim_outcomes_are_scrubbed_in_the_inbox_and_in_worker_sweep(
+    engine: AsyncEngine, make_settings: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # "failed: RuntimeError: " + 206 characters + "postgresql://ledger:": the 255-character cut
+    # falls inside the password, where a scrub after cutting would no longer see a URL
+    straddling = "x" * 206 + DSN
+
+    async def leak(ctx: ClaimContext, message: Pay) -> str:
+        kind = ctx.message_id
+        if kind == "returned":
+            return f"sent through {DSN}"
+        if kind == "poison":
+            raise Poison(f"declined by {DSN}")
+        if kind == "timeout":
+            raise TimeoutError(f"no answer from {DSN}")
+        raise RuntimeError(straddling if kind == "cut" else f"could not connect to {DSN}")
+
+    calls: Counter[str] = Counter()
+    _, handler = pay_registry(calls, leak)
+    settings = make_settings(claim_lease=5, claim_call_timeout=4, purge_interval=0)
+    sessions = session_factory(engine)
+    outcomes: dict[str, Any] = {}
+    for kind in ("failed", "cut", "poison", "timeout", "returned"):
+        delivery = FakeDelivery(1, message_id=kind)
+        outcomes[kind] = (
+            await asyncio.gather(
+                deliver(sessions, handler, settings, delivery),
+                return_exceptions=True,
+            )
+        )[0]
+    rows = {row.message_id: row for row in await inbox_rows(engine)}
+    capsys.readouterr()  # the log lines so far (scrubbed by their own processor)
+    await claims.sweep_command(settings, redrive_claims=False, limit=10)
+    await claims.sweep_command(settings, redrive_claims=False, limit=10, abandoned=True)
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+    assert all("S3cr3t" not in (row.outcome or "") for row in rows.values())
+    assert rows["failed"].outcome == (
+        "failed: RuntimeError: could not connect to postgresql://ledger:***@db/x"
+    )
+    assert len(rows["cut"].outcome) == 255 and "postgresql://ledger:***@db/" in rows["cut"].outcome
+    assert rows["poison"].outcome == "failed: Poison: declined by postgresql://ledger:***@db/x"
+    assert rows["timeout"].outcome.startswith("unknown: TimeoutError: no answer from")
+    assert rows["returned"].outcome == "sent through postgresql://ledger:***@db/x"
+    assert outcomes["poison"].reason == "pay: declined by postgresql://ledger:***@db/x"
+    assert "S3cr3t" not in outcomes["timeout"].reason
+    # worker sweep: the released claims (stale at once) and the abandoned one
+    assert sorted(p["message_id"] for p in printed) == ["cut", "failed", "poison"]
+    assert all("S3cr3t" not in json.dumps(p) for p in printed)
+
+
+async def test_worker_sweep_scrubs_outcomes_stored_before_scrubbing_was_done(
+    engine: AsyncEngine, make_settings: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await add_claim(engine, "old-stale", age=timedelta(minutes=5), outcome=f"failed: {DSN}")
+    await add_claim(engine, "old-gone", state="abandoned", outcome=f"failed: {DSN}")
+    settings = make_settings(purge_interval=0)
+    await claims.sweep_command(settings, redrive_claims=False, limit=10)
+    await claims.sweep_command(settings, redrive_claims=False, limit=10, abandoned=True)
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [p["last_outcome"] for p in printed] == ["failed: postgresql://ledger:***@db/x"] * 2
+
+
+# -- rule 13: a give-back the message is not to blame for spends no delivery -----------------
+
+
+async def test_waiting_for_someone_elses_live_claim_is_not_counted(
+    engine: AsyncEngine, make_settings: Any
+) -> None:
+    calls: Counter[str] = Counter()
+    _, handler = pay_registry(calls, hang)
+    await add_claim(engine, "m1", age=timedelta(seconds=-30))  # its lease runs 30 s more
+    settings = make_settings(claim_lease=60, claim_call_timeout=5)
+    outcome = await deliver(session_factory(engine), handler, settings, FakeDelivery(3))
+    assert (outcome.verb, outcome.outcome, outcome.counted) == ("nack", "claim-held", False)
+    assert outcome.delay is not None and 29 < outcome.delay <= 31
+    assert calls == Counter()
+
+
+async def test_contention_on_the_claim_itself_is_given_back_uncounted(
+    database_url: str, make_settings: Any
+) -> None:
+    """SQLite: the write lock stays taken past the busy timeout. PostgreSQL: a deadlock
+    (raised by a trigger, as the server reports one: SQLSTATE 40P01)."""
+    calls: Counter[str] = Counter()
+    _, handler = pay_registry(calls, hang)
+    settings = make_settings(claim_lease=5, claim_call_timeout=4)
+    engine = create_engine(database_url)
+    blocker = None
+    if database_url.startswith("sqlite"):
+        claiming = create_async_engine(database_url, connect_args={"timeout": 0.05})
+        blocker = await hold_key(engine)
+    else:
+        claiming = engine
+        async with engine.begin() as connection:
+            await connection.execute(text(DEADLOCK_FUNCTION))
+            await connection.execute(text(DEADLOCK_TRIGGER))
+    try:
+        outcome = await deliver(session_factory(claiming), handler, settings, FakeDelivery(1))
+    finally:
+        if blocker is not None:
+            await blocker.rollback()
+            await blocker.close()
+        else:
+            async with engine.begin() as connection:
+                await connection.execute(text("DROP TRIGGER claim_deadlock ON inbox"))
+                await connection.execute(text("DROP FUNCTION claim_deadlock()"))
+        rows = await inbox_rows(engine)
+        await claiming.dispose()
+        await engine.dispose()
+    assert (outcome.verb, outcome.outcome, outcome.counted) == ("nack", "claim-contended", False)
+    assert outcome.delay is not None and outcome.delay <= settings.retry_backoff_max
+    assert rows == [] and calls == Counter()
+
+
+DEADLOCK_FUNCTION = """
+CREATE FUNCTION claim_deadlock() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'deadlock detected' USING ERRCODE = '40P01';
+END $$
+"""
+DEADLOCK_TRIGGER = """
+CREATE TRIGGER claim_deadlock BEFORE INSERT ON inbox
+    FOR EACH ROW WHEN (NEW.consumer = 'pay') EXECUTE FUNCTION claim_deadlock()
+"""

@@ -233,19 +233,95 @@ async def test_a_server_failing_for_good_dead_letters_and_leaves_an_unfinished_c
     assert pump.stats["committed"] == 1
 
 
-async def test_a_hanging_server_times_out_releases_the_claim_and_is_called_again(
+async def test_a_hanging_server_times_out_keeps_the_claim_and_is_called_again_after_the_lease(
     engine: AsyncEngine, make_settings: Any, run_pumps: Any, mail_server: MailServer
 ) -> None:
-    mail_server.hang = 1
+    """The server answers the first call after 0.5 s: later than the 0.4 s call timeout,
+    within the 0.6 s lease. The second call comes only once the lease is over."""
+    mail_server.hang, mail_server.hang_for = 1, 0.5
     broker = MemoryBroker()
     settings = claim_settings(make_settings, mail_server)
     async with run_pumps([broker.connect()], [engine], mail_registry(), settings) as [pump]:
         broker.publish("welcome-1", "SendWelcomeEmail", BODY)
+        await eventually(lambda: pump.stats["call-timeout"] == 1)
+        [row] = await inbox_rows(engine)
+        assert row.state == "claimed" and row.lease_until is not None
+        assert row.outcome.startswith("unknown: TimeoutError")  # not "failed": lease kept
+        assert mail_server.calls["welcome-1"] == 1
         await broker.wait_idle(10)
     assert mail_server.calls["welcome-1"] == 2  # the same key both times
     [row] = await inbox_rows(engine)
     assert (row.state, row.attempts) == ("finished", 2)
-    assert pump.stats["nack"] == 1  # the timeout nacked the first delivery
+    assert pump.stats["call-timeout"] == 1  # the timeout nacked the first delivery
+
+
+class SlowProvider:
+    """A provider whose work goes on when the caller stops waiting, as a real one's does:
+    a timeout ends the wait, not the call. Tracks how many calls per key run at once."""
+
+    def __init__(self, slow_calls: int, takes: float) -> None:
+        self.slow_calls = slow_calls
+        self.takes = takes
+        self.calls: Counter[str] = Counter()
+        self.running: Counter[str] = Counter()
+        self.most_at_once: Counter[str] = Counter()
+        self._work: set[asyncio.Task[None]] = set()
+
+    async def call(self, key: str) -> str:
+        self.calls[key] += 1
+        takes = self.takes if self.calls[key] <= self.slow_calls else 0.01
+        work = asyncio.create_task(self._serve(key, takes))
+        self._work.add(work)
+        work.add_done_callback(self._work.discard)
+        await asyncio.shield(work)
+        return "sent"
+
+    async def _serve(self, key: str, takes: float) -> None:
+        self.running[key] += 1
+        self.most_at_once[key] = max(self.most_at_once[key], self.running[key])
+        try:
+            await asyncio.sleep(takes)
+        finally:
+            self.running[key] -= 1
+
+    async def drain(self) -> None:
+        async with asyncio.timeout(5):
+            await asyncio.gather(*self._work)
+
+
+async def test_a_timed_out_call_keeps_its_lease_so_one_key_is_never_called_twice_at_once(
+    database_url: str, make_settings: Any, run_pumps: Any, mail_server: MailServer
+) -> None:
+    """Issue 15 item 2, scaled down from a 10 s lease, 1 s call timeout and 2.5 s provider
+    call: when a timeout released the lease, each redelivery took the claim over at once,
+    and three calls with the same key ran together. Now each waits for the lease."""
+    provider = SlowProvider(slow_calls=3, takes=0.4)
+    registry = Registry()
+
+    @side_effect("SendWelcomeEmail", SendWelcomeEmail, consumer="welcome-email", registry=registry)
+    async def send(ctx: ClaimContext, message: SendWelcomeEmail) -> str:
+        return await provider.call(ctx.idempotency_key)
+
+    settings = claim_settings(make_settings, mail_server, claim_lease=0.8, claim_call_timeout=0.15)
+    broker = MemoryBroker()
+    engines = [create_engine(database_url), create_engine(database_url)]
+    try:
+        async with run_pumps(
+            [broker.connect(), broker.connect()], engines, registry, settings
+        ) as pumps:
+            broker.publish("welcome-1", "SendWelcomeEmail", BODY)
+            await broker.wait_idle(15)
+        await provider.drain()
+        stats = pumps[0].stats + pumps[1].stats
+        [row] = await inbox_rows(engines[0])
+    finally:
+        for engine in engines:
+            await engine.dispose()
+    assert provider.most_at_once == Counter({"welcome-1": 1})
+    assert provider.calls == Counter({"welcome-1": 4})  # three slow ones, then an answer
+    assert (row.state, row.attempts, row.outcome) == ("finished", 4, "sent")
+    assert stats["call-timeout"] == 3
+    assert broker.history[-1][0] == "ack" and not broker.dead_letters
 
 
 async def test_a_refusing_server_dead_letters_at_once(
