@@ -8,7 +8,9 @@ Faithful where the adapter's correctness depends on it:
   encodes it with the SDK's encoder and decodes it with the SDK's decoder into a
   real ``ServiceBusReceivedMessage``, whose lock token is the transfer's delivery
   tag, as on the wire. Application properties therefore come back with bytes keys
-  and values, ids as str, and ``delivery_count`` is 0 on a first delivery.
+  and values, ids as str, and ``delivery_count`` is 0 on a first delivery. A send
+  encodes each message at once, as the SDK does while batching, so what the SDK
+  cannot encode (an int property over 32 bits) fails the send.
 - Peek-lock on the real clock: a lock runs out after the entity's lock duration,
   the message becomes available again and the old lock token is dead; abandon
   re-offers at once; reaching MaxDeliveryCount moves the message to the
@@ -679,7 +681,11 @@ class FakeSender:
                 item = item.raw_amqp_message
             if not isinstance(item, AmqpAnnotatedMessage):
                 raise TypeError(f"cannot send {type(item).__name__}")
-            outgoing.append(PyamqpTransport.to_outgoing_amqp_message(item))
+            amqp = PyamqpTransport.to_outgoing_amqp_message(item)
+            # The SDK encodes as it batches, before the wire: what it cannot encode (an
+            # int property over 32 bits) fails the send here, not a later receive.
+            encode_payload(bytearray(), amqp)
+            outgoing.append(amqp)
         await self._client.bus.network(self._client, "send")
         targets = self._targets()
         for amqp in outgoing:  # all or nothing, like one batch on the wire

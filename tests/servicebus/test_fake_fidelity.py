@@ -21,6 +21,7 @@ import azure.servicebus
 import pytest
 from azure.servicebus import (
     ServiceBusMessage,
+    ServiceBusMessageBatch,
     ServiceBusReceivedMessage,
     ServiceBusSubQueue,
 )
@@ -180,6 +181,21 @@ def test_the_sdk_invents_a_message_id_when_none_is_given() -> None:
     assert first.message_id and second.message_id and first.message_id != second.message_id
     first.message_id = None
     assert first.message_id is None
+
+
+async def test_a_property_the_sdk_cannot_encode_fails_the_send_like_the_sdk(
+    bus: FakeServiceBus, client: FakeClient
+) -> None:
+    # AMQP int is 32 bits: an epoch in milliseconds does not fit. The SDK finds out
+    # while it builds the batch, before any I/O; so must the fake, at send.
+    too_big = ServiceBusMessage(b"x", application_properties={"at": 2**40})
+    with pytest.raises(ValueError, match="int invalid") as sdk:
+        ServiceBusMessageBatch(max_size_in_bytes=262144).add_message(too_big)
+    bus.create_queue("work")
+    with pytest.raises(ValueError, match="int invalid") as fake:
+        await client.get_queue_sender("work").send_messages([too_big])
+    assert str(fake.value) == str(sdk.value)
+    assert bus.entity("work").count == 0
 
 
 # -- side by side with the SDK's own receiver ------------------------------------------
