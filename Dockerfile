@@ -1,19 +1,27 @@
 # syntax=docker/dockerfile:1
 # The worker image: `docker build -t idempotent-worker .`, then `docker run idempotent-worker run`.
-# Build stage: a virtualenv with the package, its wheels and the [otel] extra. Every
-# dependency ships a manylinux wheel, so neither stage needs a compiler.
+# Build stage: a virtualenv with the package, its wheels and the [otel] and [azure]
+# extras (azure-identity: Service Bus with workload identity, WORKER_SERVICEBUS_NAMESPACE).
+# Every dependency ships a manylinux wheel, so neither stage needs a compiler. tini
+# comes from Debian here and only its static binary reaches the final image.
 ARG PYTHON_IMAGE=python:3.12-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_ROOT_USER_ACTION=ignore
+# Not pinned to a Debian revision: the base image's tag fixes the Debian release, and
+# a pinned revision disappears from the mirror with the next security update.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends tini \
+    && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/worker
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY worker ./worker
 COPY handlers ./handlers
-RUN /opt/worker/bin/pip install --no-compile ".[otel]" \
+RUN /opt/worker/bin/pip install --no-compile ".[otel,azure]" \
     && /opt/worker/bin/python -m compileall -q /opt/worker
 
 # Final stage: the interpreter, the virtualenv, a non-root user; no pip cache, no sources.
@@ -25,6 +33,7 @@ RUN groupadd --system --gid 10001 worker \
     && useradd --system --uid 10001 --gid worker --no-log-init --no-create-home \
        --home-dir /nonexistent --shell /usr/sbin/nologin worker
 COPY --from=build /opt/worker /opt/worker
+COPY --from=build /usr/bin/tini-static /usr/bin/tini
 # Bytecode is compiled above: with a read-only root filesystem nothing is written at run time.
 ENV PATH=/opt/worker/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -37,5 +46,9 @@ EXPOSE 8080
 # Liveness from inside the container (docker, compose); Kubernetes uses its own probes.
 HEALTHCHECK --interval=15s --timeout=3s --start-period=20s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('WORKER_OPS_PORT', '8080') + '/healthz', timeout=2)"]
-ENTRYPOINT ["worker"]
+# tini is PID 1: it forwards SIGTERM to the worker and reaps zombies. Python as PID 1
+# would get no signal it has no handler for (the kernel drops them), so a SIGTERM in
+# its first moments would wait for the kubelet's SIGKILL. (`docker run --init` and
+# compose's `init: true` add an init too; tini then runs under it, harmlessly.)
+ENTRYPOINT ["/usr/bin/tini", "--", "worker"]
 CMD ["run"]

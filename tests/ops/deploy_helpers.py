@@ -76,10 +76,15 @@ def config(overlay: str) -> dict[str, str]:
     return data
 
 
+def secret_templates() -> dict[str, dict[str, str]]:
+    """Every Secret of base/secret.template.yaml: name -> its keys and placeholder values."""
+    docs = yaml.safe_load_all((DEPLOY / "base" / "secret.template.yaml").read_text())
+    return {doc["metadata"]["name"]: doc["stringData"] for doc in docs if doc}
+
+
 def secret_template() -> dict[str, str]:
-    doc = yaml.safe_load((DEPLOY / "base" / "secret.template.yaml").read_text())
-    data: dict[str, str] = doc["stringData"]
-    return data
+    """The worker's own Secret (worker-secrets): the variables every pod reads."""
+    return secret_templates()["worker-secrets"]
 
 
 def compose() -> dict[str, Any]:

@@ -168,6 +168,7 @@ def test_compose_brings_the_stack_up_in_order() -> None:
     services = yaml.safe_load(COMPOSE.read_text())["services"]
     worker = services["worker"]
     assert worker["deploy"]["replicas"] == 2
+    assert worker["profiles"] == ["rabbitmq"]
     assert worker["depends_on"] == {
         "migrate": {"condition": "service_completed_successfully"},
         "rabbitmq": {"condition": "service_healthy"},
@@ -247,15 +248,18 @@ def test_the_image_is_multi_stage_slim_non_root_and_runs_the_worker() -> None:
     build, final = stages(instructions)
     assert "slim" in dict(instructions)["ARG"]
     assert build[0][1].endswith("AS build")
-    # nothing of the build stage but the virtualenv reaches the final image
+    # nothing of the build stage but the virtualenv and tini reaches the final image
     copies = [rest for keyword, rest in final if keyword == "COPY"]
-    assert copies == ["--from=build /opt/worker /opt/worker"]
+    assert copies == [
+        "--from=build /opt/worker /opt/worker",
+        "--from=build /usr/bin/tini-static /usr/bin/tini",
+    ]
     runs = " ".join(rest for keyword, rest in final if keyword == "RUN")
     for build_tool in ("apt-get", "gcc", "build-essential", "pip install"):
         assert build_tool not in runs
     user = [rest for keyword, rest in final if keyword == "USER"]
     assert user and user[-1].split(":")[0] not in {"0", "root"}
-    assert dict(final)["ENTRYPOINT"] == '["worker"]'
+    assert dict(final)["ENTRYPOINT"] == '["/usr/bin/tini", "--", "worker"]'
     assert dict(final)["CMD"] == '["run"]'
     assert "HEALTHCHECK" in dict(final)
     assert dockerfile_env(final)["WORKER_OPS_PORT"] == dict(final)["EXPOSE"]

@@ -1,0 +1,375 @@
+"""What no validator sees: the rendered manifests against the platform's own operations.
+
+Each test reads the objects ``kubectl kustomize`` renders for every overlay (what
+``kubectl apply -k`` would send) and checks one runtime property: KEDA alone owns
+the replica count, node drains cannot hang on unready pods, no pod consumes before
+its schema is migrated, the database connection budget holds at maximum scale, a
+Kafka rollout can always finish, the credentials are separate where the rights
+differ, and the NetworkPolicies neither open too much nor break DNS.
+"""
+
+from __future__ import annotations
+
+import copy
+import ipaddress
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.ops.deploy_helpers import (
+    COMPOSE,
+    DEPLOY,
+    OVERLAYS,
+    compose,
+    config,
+    dockerfile_instructions,
+    one,
+    render,
+    stages,
+)
+from worker.settings import Settings
+
+BUDGET = "idempotent-worker/database-"
+PARTITIONS = "idempotent-worker/kafka-partitions"
+
+
+def deployment(overlay: str) -> dict[str, Any]:
+    return one(render(overlay), "Deployment")
+
+
+def pod(overlay: str, kind: str = "Deployment") -> dict[str, Any]:
+    spec: dict[str, Any] = one(render(overlay), kind)["spec"]["template"]["spec"]
+    return spec
+
+
+def scaled(overlay: str) -> dict[str, Any]:
+    return one(render(overlay), "ScaledObject")
+
+
+def every_container(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+# -- 4: KEDA owns the count -----------------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_deployment_leaves_the_replica_count_to_keda(overlay: str) -> None:
+    """A ``replicas:`` next to a ScaledObject resets the fleet on every ``apply -k``."""
+    assert (
+        scaled(overlay)["spec"]["scaleTargetRef"]["name"] == deployment(overlay)["metadata"]["name"]
+    )
+    assert "replicas" not in deployment(overlay)["spec"]
+
+
+# -- 7: drains during an outage -------------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_node_drains_may_evict_pods_that_are_unready_by_design(overlay: str) -> None:
+    pdb = one(render(overlay), "PodDisruptionBudget")["spec"]
+    assert pdb["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    labels = deployment(overlay)["spec"]["template"]["metadata"]["labels"]
+    assert pdb["selector"]["matchLabels"].items() <= labels.items()
+
+
+# -- 1: the migration gate -------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_no_pod_consumes_before_its_schema_is_migrated(overlay: str) -> None:
+    spec = pod(overlay)
+    [worker] = spec["containers"]
+    gates = [c for c in spec.get("initContainers", []) if c["args"][:1] == ["migrate"]]
+    assert len(gates) == 1, "an init container must run `worker migrate --wait/--check`"
+    [gate] = gates
+    assert gate["args"][1] in {"--wait", "--check"}
+    # the gate checks the head of the image that is about to run
+    assert gate["image"] == worker["image"]
+    job = pod(overlay, "Job")
+    [migrate] = job["containers"]
+    assert migrate["image"] == worker["image"]
+    assert migrate["args"][0] == "migrate" and "--check" not in migrate["args"]
+    # the gate waits less long than the rollout is allowed to take
+    wait = float(gate["args"][gate["args"].index("--timeout") + 1])
+    assert wait < deployment(overlay)["spec"]["progressDeadlineSeconds"]
+
+
+def test_the_migration_job_can_be_recreated_per_release() -> None:
+    """A Job's template is immutable: GitOps tools are told to replace it each release."""
+    job = one(render("rabbitmq"), "Job")
+    annotations = job["metadata"]["annotations"]
+    assert annotations["argocd.argoproj.io/hook-delete-policy"] == "BeforeHookCreation"
+    assert annotations["kustomize.toolkit.fluxcd.io/force"] == "Enabled"
+    readme = (DEPLOY / "README.md").read_text()
+    assert "kubectl delete job worker-migrate --ignore-not-found" in readme
+    assert "are restarted; nothing is lost" not in readme  # the old, wrong promise
+
+
+# -- 5: the database URL must exist ------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["Deployment", "Job"])
+def test_every_pod_reads_the_database_url_from_a_required_secret_key(kind: str) -> None:
+    for overlay in OVERLAYS:
+        assert "WORKER_DATABASE_URL" not in config(overlay)
+        for container in every_container(pod(overlay, kind)):
+            env = {item["name"]: item for item in container.get("env", [])}
+            reference = env["WORKER_DATABASE_URL"]["valueFrom"]["secretKeyRef"]
+            assert reference["name"] == "worker-secrets"
+            assert reference["key"] == "WORKER_DATABASE_URL"
+            assert reference.get("optional", False) is False, container["name"]
+
+
+# -- 2: the connection budget -----------------------------------------------------
+
+
+def connection_budget(overlay: str) -> tuple[int, int, dict[str, int]]:
+    """(connections at maximum scale, connections available, the figures) of one overlay."""
+    env = config(overlay)
+    defaults = Settings()
+    concurrency = int(env.get("WORKER_CONCURRENCY", defaults.concurrency))
+    pool = int(env.get("WORKER_DB_POOL_SIZE") or concurrency + 2)
+    overflow = int(env.get("WORKER_DB_MAX_OVERFLOW", defaults.db_max_overflow))
+    annotations = deployment(overlay)["metadata"]["annotations"]
+    figures = {
+        "max_replicas": int(scaled(overlay)["spec"]["maxReplicaCount"]),
+        "max_surge": int(deployment(overlay)["spec"]["strategy"]["rollingUpdate"]["maxSurge"]),
+        "per_pod": pool + overflow,
+        "others": int(annotations[BUDGET + "other-clients"]),
+        "max_connections": int(annotations[BUDGET + "max-connections"]),
+        "reserved": int(annotations[BUDGET + "reserved-connections"]),
+    }
+    # an init container's single connection ends before the worker opens its pool
+    needed = (figures["max_replicas"] + figures["max_surge"]) * figures["per_pod"]
+    needed += figures["others"]
+    return needed, figures["max_connections"] - figures["reserved"], figures
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_connection_budget_holds_at_maximum_scale(overlay: str) -> None:
+    """(maxReplicaCount + maxSurge) x (pool + overflow) + others <= max_connections - reserved.
+
+    Running out is not an error the pods can fix: 53300 pauses the running ones,
+    crash-loops the new ones, and the growing backlog makes KEDA add more.
+    """
+    needed, available, figures = connection_budget(overlay)
+    assert needed <= available, f"{overlay}: {figures} needs {needed} of {available}"
+    fallback = scaled(overlay)["spec"]["fallback"]["replicas"]
+    assert fallback <= figures["max_replicas"]
+
+
+def test_the_budget_check_catches_the_old_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """20 replicas x 2 x (16 + 2) connections, as shipped before: far past 100."""
+    rendered = copy.deepcopy(list(render("rabbitmq")))
+    for doc in rendered:
+        if doc["kind"] == "ScaledObject":
+            doc["spec"]["maxReplicaCount"] = 20
+        if doc["kind"] == "ConfigMap":
+            doc["data"] = {k: v for k, v in doc["data"].items() if not k.startswith("WORKER_DB_")}
+            doc["data"]["WORKER_CONCURRENCY"] = "16"
+            doc["data"]["WORKER_DB_MAX_OVERFLOW"] = "18"  # the old default: = pool size
+    import tests.ops.test_deploy_manifests as me
+
+    monkeypatch.setattr(me, "render", lambda _overlay: tuple(rendered))
+    monkeypatch.setattr(me, "config", lambda _overlay: one(tuple(rendered), "ConfigMap")["data"])
+    needed, available, _ = connection_budget("rabbitmq")
+    assert needed == 21 * 36 + 3 > available
+
+
+def test_the_engine_opens_what_the_budget_counts() -> None:
+    """pool + overflow is what SQLAlchemy's pool will really hold (no connection is made)."""
+    from worker.db import create_engine
+
+    env = config("rabbitmq")
+    engine = create_engine(
+        "postgresql+asyncpg://worker@127.0.0.1:1/worker",
+        pool_size=int(env["WORKER_DB_POOL_SIZE"]),
+        max_overflow=int(env["WORKER_DB_MAX_OVERFLOW"]),
+    )
+    pool: Any = engine.sync_engine.pool
+    assert pool.size() == int(env["WORKER_DB_POOL_SIZE"])
+    assert pool._max_overflow == int(env["WORKER_DB_MAX_OVERFLOW"])
+    assert int(env["WORKER_DB_POOL_SIZE"]) >= int(env["WORKER_CONCURRENCY"]) + 2
+
+
+# -- 3: Kafka rollouts that finish ---------------------------------------------------
+
+
+def test_every_kafka_group_member_can_own_a_partition() -> None:
+    """A member without a partition reports not ready (worker/brokers/kafka.py).
+
+    With a surge pod at maximum scale it would get none about 1/(N+1) of the time
+    and the rollout would hang; with fewer partitions than minReplicaCount one pod
+    would stay unready for good. So: minReplicaCount <= maxReplicaCount + maxSurge
+    <= partitions, and no surge on Kafka (it buys nothing but one more rebalance).
+    """
+    spec = scaled("kafka")["spec"]
+    partitions = int(scaled("kafka")["metadata"]["annotations"][PARTITIONS])
+    strategy = deployment("kafka")["spec"]["strategy"]["rollingUpdate"]
+    assert strategy == {"maxSurge": 0, "maxUnavailable": 1}
+    assert spec["minReplicaCount"] <= spec["maxReplicaCount"] + strategy["maxSurge"]
+    assert spec["maxReplicaCount"] + strategy["maxSurge"] <= partitions
+    assert spec["triggers"][0]["metadata"]["allowIdleConsumers"] == "false"
+    compose_partitions = compose()["services"]["kafka"]["environment"]["KAFKA_NUM_PARTITIONS"]
+    assert int(compose_partitions) == partitions  # the example topic has that many
+
+
+def test_the_kafka_readiness_the_overlay_relies_on() -> None:
+    """If this changes (an idle member becomes ready), the surge may come back."""
+    from worker.brokers.kafka import KafkaBroker
+
+    doc = KafkaBroker.ready.__doc__ or ""
+    assert "owning partitions" in doc
+
+
+# -- 10: an outage must not become a stampede --------------------------------------
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_scaling_has_a_fallback_and_bounded_steps(overlay: str) -> None:
+    spec = scaled(overlay)["spec"]
+    fallback = spec["fallback"]
+    assert fallback["failureThreshold"] >= 3
+    assert spec["minReplicaCount"] <= fallback["replicas"] <= spec["maxReplicaCount"]
+    behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    [up] = behavior["scaleUp"]["policies"]
+    assert up["type"] == "Pods" and up["value"] <= 2 and up["periodSeconds"] >= 60
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] >= 300
+    # cooldownPeriod only governs scaling to and from zero: inert above it
+    if spec["minReplicaCount"] > 0:
+        assert "cooldownPeriod" not in spec
+
+
+# -- gaps: placement and pod hygiene -------------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pods_spread_over_zones_and_settle_before_the_rollout_moves_on(overlay: str) -> None:
+    spec = deployment(overlay)["spec"]
+    keys = {c["topologyKey"] for c in spec["template"]["spec"]["topologySpreadConstraints"]}
+    assert {"topology.kubernetes.io/zone", "kubernetes.io/hostname"} <= keys
+    assert spec["minReadySeconds"] >= 5
+    for kind in ("Deployment", "Job"):
+        assert pod(overlay, kind)["enableServiceLinks"] is False
+    [worker] = spec["template"]["spec"]["containers"]
+    cpu = worker["resources"]["requests"]["cpu"]
+    assert int(cpu.removesuffix("m")) >= 250 if cpu.endswith("m") else float(cpu) >= 0.25
+    assert "cpu" not in worker["resources"].get("limits", {})  # throttling stalls the loop
+
+
+# -- 6: Service Bus credentials -------------------------------------------------------
+
+
+def test_keda_and_the_worker_use_different_service_bus_credentials() -> None:
+    docs = render("servicebus")
+    auth = one(docs, "TriggerAuthentication")
+    [ref] = auth["spec"]["secretTargetRef"]
+    worker_secrets = {
+        source["secretRef"]["name"]
+        for source in pod("servicebus")["containers"][0]["envFrom"]
+        if "secretRef" in source
+    }
+    assert ref["name"] not in worker_secrets
+    install = " ".join(rest for keyword, rest in stages(dockerfile_instructions())[0])
+    assert "azure" in install.split('".[', 1)[1].split("]", 1)[0]  # the workload-identity path
+
+
+# -- 11: NetworkPolicies ------------------------------------------------------------------
+
+
+def policies(overlay: str) -> list[dict[str, Any]]:
+    return [doc for doc in render(overlay) if doc["kind"] == "NetworkPolicy"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies_select_only_this_worker_s_pods(overlay: str) -> None:
+    for policy in policies(overlay):
+        selector = policy["spec"]["podSelector"]["matchLabels"]
+        assert selector.get("app.kubernetes.io/part-of") == "idempotent-worker"
+        for kind in ("Deployment", "Job"):
+            labels = one(render(overlay), kind)["spec"]["template"]["metadata"]["labels"]
+            assert selector.items() <= labels.items(), kind
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_ops_port_is_open_to_the_monitoring_namespace_only(overlay: str) -> None:
+    base = one(render(overlay), "NetworkPolicy", "worker")
+    for rule in base["spec"]["ingress"]:
+        assert rule.get("from"), "an ingress rule without `from` admits every pod"
+        for peer in rule["from"]:
+            assert "namespaceSelector" in peer and peer["namespaceSelector"]["matchLabels"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_dns_works_with_node_local_dns_and_openshift(overlay: str) -> None:
+    base = one(render(overlay), "NetworkPolicy", "worker")
+    dns = [
+        rule for rule in base["spec"]["egress"] if {p["port"] for p in rule["ports"]} & {53, 5353}
+    ]
+    assert len(dns) == 1
+    [rule] = dns
+    # any destination: NodeLocal DNSCache's 169.254.20.10 is no pod a selector matches
+    assert "to" not in rule
+    assert {(p["port"], p["protocol"]) for p in rule["ports"]} == {
+        (53, "UDP"),
+        (53, "TCP"),
+        (5353, "UDP"),
+        (5353, "TCP"),
+    }
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_database_and_broker_may_live_in_other_namespaces(overlay: str) -> None:
+    for policy in policies(overlay):
+        for rule in policy["spec"]["egress"]:
+            for peer in rule.get("to", []):
+                # a podSelector alone only matches pods in the worker's own namespace
+                assert "namespaceSelector" in peer or "ipBlock" in peer, policy["metadata"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_egress_reaches_the_collector_and_the_mail_api_but_not_the_metadata_service(
+    overlay: str,
+) -> None:
+    base = one(render(overlay), "NetworkPolicy", "worker")
+    by_port = {p["port"]: rule for rule in base["spec"]["egress"] for p in rule["ports"]}
+    assert {4317, 4318, 443} <= set(by_port)
+    [https] = by_port[443]["to"]
+    excluded = [ipaddress.ip_network(cidr) for cidr in https["ipBlock"]["except"]]
+    assert any(ipaddress.ip_address("169.254.169.254") in net for net in excluded)
+    assert any(ipaddress.ip_address("10.1.2.3") in net for net in excluded)
+
+
+# -- 9: PID 1 -------------------------------------------------------------------------------
+
+
+def test_the_image_runs_the_worker_under_an_init() -> None:
+    final = stages(dockerfile_instructions())[-1]
+    entrypoint = yaml.safe_load(dict(final)["ENTRYPOINT"])
+    assert entrypoint[0].endswith("/tini") and entrypoint[1:] == ["--", "worker"]
+    copies = [rest for keyword, rest in final if keyword == "COPY"]
+    assert any(rest.endswith(entrypoint[0]) for rest in copies)
+
+
+def test_compose_runs_an_init_pins_its_images_and_starts_only_one_broker() -> None:
+    services = compose()["services"]
+    for name, service in services.items():
+        image = service["image"]
+        tag = image.rsplit("/", 1)[-1].partition(":")[2]
+        assert tag and tag != "latest" and not tag.endswith("-latest"), f"{name}: {image}"
+        if image.startswith("idempotent-worker"):
+            assert service["init"] is True, name
+    always = {name for name, service in services.items() if not service.get("profiles")}
+    assert always == {"postgres", "migrate"}
+    profiles: dict[str, set[str]] = {}
+    for name, service in services.items():
+        for profile in service.get("profiles", []):
+            profiles.setdefault(profile, set()).add(name)
+    assert profiles == {
+        "rabbitmq": {"rabbitmq", "worker"},
+        "kafka": {"kafka", "worker-kafka"},
+        "servicebus": {"sqlserver", "servicebus", "worker-servicebus"},
+    }
+    assert "--profile rabbitmq up" in COMPOSE.read_text()
