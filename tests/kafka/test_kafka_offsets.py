@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 from aiokafka.errors import KafkaConnectionError  # type: ignore[import-untyped]
 
-from tests.kafka.kafka_helpers import committed, committed_is, produce
+from tests.kafka.kafka_helpers import committed, committed_is, produce, worker_env
+from tests.support.processes import arun_cli
 from tests.support.waiting import wait_for
 from worker.brokers.kafka import KafkaBroker, KafkaSettings
 from worker.delivery import Delivery
-from worker.errors import BrokerUnavailable, SettlementLost
+from worker.errors import BrokerUnavailable, ConfigurationError, SettlementLost
 from worker.settings import Settings
 
 pytestmark = pytest.mark.kafka
@@ -270,3 +273,30 @@ async def test_the_buffer_is_bounded_in_bytes_not_only_in_records(
     assert 0 < held <= room + fetch + size, held
     assert peak <= room + fetch + size, peak
     assert ids == [f"m{n}" for n in range(count)]  # pausing lost and reordered nothing
+
+
+async def test_a_broker_refusing_the_idempotent_producer_names_the_setting(
+    kafka_settings: Callable[..., KafkaSettings],
+    sqlite_template: Path,
+    tmp_path: Path,
+) -> None:
+    """Issue 14 item 5. Test-broker quirk put to use: Tansu refuses InitProducerId."""
+    kafka = kafka_settings("t", idempotent_producer=True)
+    broker = KafkaBroker(Settings(), kafka)
+    with pytest.raises(ConfigurationError, match="WORKER_KAFKA_IDEMPOTENT_PRODUCER=false"):
+        await broker.start(prefetch=1)
+    assert not broker.ready
+    await broker.close()
+
+    database = tmp_path / "worker.db"
+    shutil.copy(sqlite_template, database)
+    env = worker_env(
+        kafka,
+        f"sqlite+aiosqlite:///{database}",
+        WORKER_KAFKA_IDEMPOTENT_PRODUCER="true",
+        WORKER_ALLOW_SQLITE_WITH_NETWORK_BROKER="true",
+    )
+    result = await arun_cli(env, "run")
+    assert result.returncode == 2, result.stderr
+    assert "refused the idempotent producer" in result.stderr
+    assert "WORKER_KAFKA_IDEMPOTENT_PRODUCER=false" in result.stderr

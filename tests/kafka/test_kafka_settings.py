@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
@@ -15,6 +18,7 @@ from worker.brokers.kafka import (
     header_message_id,
     load_kafka_settings,
 )
+from worker.brokers.rabbitmq import default_message_id as rabbitmq_message_id
 from worker.errors import ConfigurationError
 from worker.settings import Settings
 
@@ -32,11 +36,31 @@ def record_id(*headers: tuple[str, bytes]) -> str | None:
 
 
 def test_the_producer_header_is_the_dedup_key() -> None:
-    assert record_id(("message-id", b"order-7"), ("ce_id", b"x"), ("ce_source", b"/s")) == "order-7"
+    assert record_id(("message-id", b"order-7"), ("other", b"x")) == "order-7"
+    assert record_id(("message-id", b"order-7"), ("ce_id", b"x")) == "order-7"  # half a pair
 
 
-def test_cloudevents_id_and_source_come_next() -> None:
-    assert record_id(("ce_id", b"e-1"), ("ce_source", b"/billing")) == "/billing e-1"
+def test_a_cloudevent_is_keyed_by_source_and_id_first() -> None:
+    assert record_id(("ce_id", b"e-1"), ("ce_source", b"/billing")) == '["/billing","e-1"]'
+    both = record_id(("message-id", b"order-7"), ("ce_id", b"e-1"), ("ce_source", b"/billing"))
+    assert both == '["/billing","e-1"]'
+
+
+@pytest.mark.parametrize(
+    ("source", "event_id"),
+    [("/billing", "42"), ("urn:x y", 'a"b'), ("/caf\u00e9", "\u00fc\\n"), ("a b", "c")],
+)
+def test_one_cloudevents_key_across_brokers(source: str, event_id: str) -> None:
+    """Issue 14 item 4: the same event through RabbitMQ and Kafka gets the same key."""
+    source, event_id = (s.encode().decode("unicode_escape") for s in (source, event_id))
+    amqp = SimpleNamespace(
+        message_id="random-by-aiormq", headers={"ce-id": event_id, "ce-source": source}
+    )
+    kafka = record_id(
+        ("message-id", b"random"), ("ce_id", event_id.encode()), ("ce_source", source.encode())
+    )
+    assert kafka == rabbitmq_message_id(cast(Any, amqp))
+    assert json.loads(kafka or "") == [source, event_id]
 
 
 def test_the_offset_is_the_last_resort() -> None:

@@ -27,7 +27,6 @@ import json
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 from aiokafka import (  # type: ignore[import-untyped]
@@ -42,6 +41,7 @@ from aiokafka.errors import (  # type: ignore[import-untyped]
     InvalidMessageError,
     InvalidTimestampError,
     InvalidTopicError,
+    KafkaConnectionError,
     KafkaError,
     MessageSizeTooLargeError,
     PolicyViolationError,
@@ -55,13 +55,6 @@ from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from worker.brokers import (
-    DEFAULT_SCAN,
-    DeadLetterFilter,
-    DeadLetterInfo,
-    IdentityFunc,
-    OutgoingMessage,
-    load_identity,
-)
 from worker.delivery import Delivery
 from worker.errors import BrokerUnavailable, ConfigurationError, SettlementLost
 from worker.logs import get_logger
@@ -220,6 +213,24 @@ def load_kafka_settings() -> KafkaSettings:
     return kafka
 
 
+def _start_error(kafka: KafkaSettings, exc: Exception) -> Exception:
+    """What a failed producer start means: the brokers are away, or refuse the producer mode.
+
+    Past the bootstrap, a producer start fails only in InitProducerId, which the
+    idempotent producer needs and some brokers (old ones, some Kafka-compatible
+    ones, a principal without IDEMPOTENT_WRITE) refuse, with errors as vague as
+    ``UnknownError``: name the setting that avoids it.
+    """
+    where = f"kafka at {kafka.bootstrap_servers}"
+    if kafka.idempotent_producer and not isinstance(exc, KafkaConnectionError):
+        return ConfigurationError(
+            f"{where} refused the idempotent producer ({type(exc).__name__}: {exc}); the broker "
+            "may not support it or not allow it (IDEMPOTENT_WRITE): set "
+            "WORKER_KAFKA_IDEMPOTENT_PRODUCER=false to use a plain producer (acks=all)"
+        )
+    return BrokerUnavailable(f"{where}: {exc}")
+
+
 # -- reading records -------------------------------------------------------------
 
 
@@ -237,24 +248,36 @@ def _headers(record: Any) -> dict[str, bytes]:
     return {key: value for key, value in record.headers or () if value is not None}
 
 
-def header_message_id(header: str) -> IdentityFunc:
-    """The default dedup key: ``header``, else CloudEvents id + source, else the offset.
+def cloud_event_key(source: str, event_id: str) -> str:
+    """The dedup key of a CloudEvent, the same string on every broker: ``["source","id"]``.
 
-    A producer-set header is the one that survives a producer retry: the retry
-    writes a second record at a new offset, so the offset fallback would give the
-    two copies two different keys. A header that is present but empty or not
-    UTF-8, or half a CloudEvents pair, is no usable id (the pump dead-letters it).
+    The RabbitMQ adapter builds it the same way, so an event bridged through both
+    brokers has one key, and JSON keeps any pair of strings unambiguous.
+    """
+    return json.dumps([source, event_id], separators=(",", ":"))
+
+
+def header_message_id(header: str) -> IdentityFunc:
+    """The default dedup key: CloudEvents source + id, else ``header``, else the offset.
+
+    A CloudEvent is identified by its source and id wherever it travels, so they
+    come first, as on RabbitMQ. Either survives a producer retry: the retry writes
+    a second record at a new offset, so the offset fallback would give the two
+    copies two different keys. A header that is present but empty or not UTF-8,
+    or half a CloudEvents pair without the header, is no usable id (the pump
+    dead-letters it).
     """
 
     def identity(record: Any) -> str | None:
         headers = _headers(record)
+        ce_id, ce_source = headers.get("ce_id"), headers.get("ce_source")
+        event_id, source = _text(ce_id), _text(ce_source)
+        if event_id and source:
+            return cloud_event_key(source, event_id)
         if header in headers:
             return _text(headers[header])
-        ce_id, ce_source = headers.get("ce_id"), headers.get("ce_source")
         if ce_id is not None or ce_source is not None:
-            event_id, source = _text(ce_id), _text(ce_source)
-            # A source is a URI reference, which has no spaces: the pair stays unambiguous.
-            return f"{source} {event_id}" if event_id and source else None
+            return None  # half a CloudEvents pair identifies nothing
         return f"{record.topic}/{record.partition}/{record.offset}"
 
     return identity
@@ -412,6 +435,10 @@ class KafkaBroker:
         )
         try:
             await self._producer.start()
+        except KafkaError as exc:
+            await self._stop_clients()
+            raise _start_error(kafka, exc) from None
+        try:
             await self._consumer.start()
         except KafkaError as exc:
             await self._stop_clients()
@@ -898,7 +925,7 @@ class KafkaAdmin:
                 await producer.start()
             except KafkaError as exc:
                 await producer.stop()
-                raise BrokerUnavailable(f"kafka at {self.kafka.bootstrap_servers}: {exc}") from None
+                raise _start_error(self.kafka, exc) from None
             self._producer = producer
         return self._producer
 
