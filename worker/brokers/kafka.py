@@ -27,6 +27,7 @@ import json
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 from aiokafka import (  # type: ignore[import-untyped]
@@ -55,6 +56,13 @@ from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from worker.brokers import (
+    DEFAULT_SCAN,
+    DeadLetterFilter,
+    DeadLetterInfo,
+    IdentityFunc,
+    OutgoingMessage,
+    load_identity,
+)
 from worker.delivery import Delivery
 from worker.errors import BrokerUnavailable, ConfigurationError, SettlementLost
 from worker.logs import get_logger
