@@ -110,7 +110,7 @@ def status(database_url: str, *, timeout: float = 10.0) -> Status:
     async def read() -> tuple[str, ...]:
         from worker.db import create_engine
 
-        engine = create_engine(database_url, pool_size=1)
+        engine = create_engine(database_url, pool_size=1, max_overflow=0)
         try:
             async with asyncio.timeout(timeout), engine.connect() as connection:
                 return await connection.run_sync(current)

@@ -71,7 +71,7 @@ def _run(connection: Connection) -> None:
 
 
 async def _run_async(url: str) -> None:
-    engine = create_engine(url, pool_size=1)
+    engine = create_engine(url, pool_size=1, max_overflow=0)  # one connection, budgeted
     try:
         async with engine.connect() as connection:
             await connection.run_sync(_run)
