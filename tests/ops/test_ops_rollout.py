@@ -210,3 +210,73 @@ def queue_depth(vhost: str, queue: str) -> int:
     )
     depths = {row["name"]: row["messages"] for row in json.loads(listing)}
     return int(depths[queue])
+
+
+# -- the worst case: work that outlives the grace period ------------------------
+
+WORST_GRACE = 3.0
+SHUTDOWN_AFTER_GRACE = 30.0  # deploy/README.md "Stopping"; the pod's budget beyond the grace
+
+
+def stop_mid_work(env: dict[str, str], port: int) -> tuple[int, float, list[dict[str, Any]]]:
+    """SIGTERM while every slot runs a handler far longer than the grace period."""
+    process = subprocess.Popen(
+        worker_cli("run"),
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while (probe(port, "/readyz") or (0, {}))[0] != 200 or in_flight(port) < CONCURRENCY:
+            assert process.poll() is None, process.communicate()[1]
+            assert time.monotonic() < deadline, "the deliveries never got in flight"
+            time.sleep(0.05)
+        sent = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=WORST_GRACE + SHUTDOWN_AFTER_GRACE + 10)
+        return process.returncode, time.monotonic() - sent, json_lines(stderr)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
+@pytest.mark.slow
+@pytest.mark.rabbitmq
+def test_the_worst_case_shutdown_fits_the_pod_s_termination_grace(
+    database: str, rabbitmq_vhost: str
+) -> None:
+    """Handlers that never finish, messages prefetched and unsettled: the grace period runs
+    out, the work is cancelled unsettled, the broker gets everything back, and the whole
+    stop stays inside the budget terminationGracePeriodSeconds is sized for.
+    """
+    port, queue, total = free_port(), "worst", 12
+    env = worker_env(
+        database,
+        port,
+        WORKER_BROKER="rabbitmq",
+        WORKER_RABBITMQ_URL=guest_url(rabbitmq_vhost),
+        WORKER_RABBITMQ_QUEUE=queue,
+        WORKER_RABBITMQ_EXCHANGE=f"{queue}.in",
+        WORKER_GRACE_PERIOD=str(WORST_GRACE),
+    )
+    lines = "".join(
+        json.dumps({"id": f"worst-{n:03d}", "type": "Slow", "body": {"seconds": 600}}) + "\n"
+        for n in range(total)
+    )
+    assert run_cli(env, "publish", "-", stdin=lines).returncode == 0
+
+    code, seconds, events = stop_mid_work(env, port)
+    assert code == 0
+    names = [event.get("event") for event in events]
+    assert "grace period over, cancelled in-flight work" in names
+    assert WORST_GRACE <= seconds < WORST_GRACE + SHUTDOWN_AFTER_GRACE, seconds
+    print(f"worst-case stop: {seconds:.2f}s, {seconds - WORST_GRACE:.2f}s after the grace period")
+    assert markers(database) == 0  # nothing committed...
+    deadline = time.monotonic() + 15
+    while (depth := queue_depth(rabbitmq_vhost, queue)) != total:  # ...and nothing lost
+        assert time.monotonic() < deadline, f"{depth} of {total} messages back in the queue"
+        time.sleep(0.25)
