@@ -270,6 +270,27 @@ async def test_an_untaken_message_goes_back_uncounted_before_renewal_ends(
     assert queue.count == 0
 
 
+async def test_a_delivery_the_pump_holds_past_renewal_goes_back_uncounted(
+    bus: FakeServiceBus, consumers: Callable[..., Any]
+) -> None:
+    # Taken, then held by a paused pump: the lock would expire at ~4.5 s, counted.
+    queue = bus.create_queue("work", lock_duration=3.0)
+    await send(bus, msg("m"))
+    consumer = await consumers(slots=1, max_lock_renewal=1.5)
+    held = await take(consumer)
+    with structlog.testing.capture_logs() as logs:
+        await asyncio.sleep(5.5)  # the database is still down
+    assert consumer.stats["reclaimed"] == 1 and queue.stats["lock_expired"] == 0
+    [warning] = [e for e in logs if e.get("outcome") == "reclaimed"]
+    assert warning["message_id"] == "m" and warning["log_level"] == "warning"
+    with pytest.raises(SettlementLost, match="given back before its lock renewal ended"):
+        await held.ack()  # the database is back; the handler committed: the copy is a duplicate
+    again = await take(consumer)
+    assert again.message_id == "m" and again.delivery_count == 1
+    await again.ack()
+    assert queue.count == 0 and queue.stats["abandon"] == 0
+
+
 # -- the local clock against the broker's ---------------------------------------------
 
 

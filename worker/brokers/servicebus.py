@@ -383,8 +383,10 @@ class _Lock:
         "message",
         "message_id",
         "received",
+        "reclaimed",
         "released",
         "renewer",
+        "settling",
         "taken",
         "withdraw",
     )
@@ -400,10 +402,12 @@ class _Lock:
         self.lost: str | None = None
         self.done = False  # nothing more to do with it (settled, or settling failed)
         self.released = False  # the broker took the settlement
+        self.settling = False  # the pump asked for a settlement
+        self.reclaimed = False  # given back by this consumer while the pump still held it
         self.taken = False  # handed to the pump; until then this consumer may give it back
         self.renewer: AutoLockRenewer | None = None
         self.later: asyncio.Task[None] | None = None  # a delayed abandon, while it waits
-        self.withdraw: asyncio.TimerHandle | None = None  # untaken: give back before renewal ends
+        self.withdraw: asyncio.TimerHandle | None = None  # give back before renewal ends
 
 
 class ServiceBusConsumer:
@@ -467,9 +471,6 @@ class ServiceBusConsumer:
         delivery = await self._inbox.get()
         handle: _Lock = delivery._handle
         handle.taken = True
-        if handle.withdraw is not None:
-            handle.withdraw.cancel()
-            handle.withdraw = None
         return delivery
 
     async def stop_receiving(self) -> None:
@@ -636,8 +637,9 @@ class ServiceBusConsumer:
             )
             # The renewer only calls renew_message_lock on the receiver it is given.
             handle.renewer.register(cast("ServiceBusReceiver", link.receiver), message)
-            # A message the pump does not take in time (a database outage keeps it
-            # paused) would lose its lock when renewal ends, and come back counted.
+            # A message still unsettled when renewal ends (the pump paused by a database
+            # outage, a delivery parked behind its key) would lose its lock and come
+            # back counted.
             handle.withdraw = asyncio.get_running_loop().call_later(
                 window - min(_HOLD_MARGIN, window / 4), self._withdraw, handle
             )
@@ -723,17 +725,37 @@ class ServiceBusConsumer:
         )
 
     def _withdraw(self, handle: _Lock) -> None:
-        """Renewal is about to end for a message the pump never took: give it back uncounted."""
+        """Renewal is about to end on an unsettled message: give it back uncounted.
+
+        Untaken, it simply leaves the inbox. Taken, the pump still holds it (paused
+        by the database, or a handler past the window): the copy goes back, and the
+        pump's settlement is then refused as lost, as it would be on the expired
+        lock; if the handler had committed, the inbox absorbs the copy.
+        """
         handle.withdraw = None
-        if handle.taken or handle.done or self._stopping:
+        if handle.done or handle.settling or self._closed:
             return
-        kept: list[Delivery] = []
-        while not self._inbox.empty():  # bounded by the inbox's size; no await in between
-            delivery = self._inbox.get_nowait()
-            if delivery._handle is not handle:
-                kept.append(delivery)
-        for delivery in kept:
-            self._inbox.put_nowait(delivery)
+        if not handle.taken:
+            if self._stopping:
+                return  # stop_receiving gives it back with the rest
+            kept: list[Delivery] = []
+            while not self._inbox.empty():  # bounded by the inbox's size; no await in between
+                delivery = self._inbox.get_nowait()
+                if delivery._handle is not handle:
+                    kept.append(delivery)
+            for delivery in kept:
+                self._inbox.put_nowait(delivery)
+        else:
+            handle.reclaimed = True
+            self.stats["reclaimed"] += 1
+            self._log.warning(
+                "servicebus lock renewal ending on a delivery the pump still holds: "
+                "given back uncounted, its settlement will be refused",
+                message_id=handle.message_id,
+                delivery_count=handle.count,
+                held_s=round(time.monotonic() - handle.received, 1),
+                outcome="reclaimed",
+            )
         self.stats["withdrawn"] += 1
         task = asyncio.create_task(self._return_quietly([handle]))
         self._returning.add(task)
@@ -781,13 +803,24 @@ class ServiceBusConsumer:
 
     # -- Settler ------------------------------------------------------------------
 
+    def _refuse_reclaimed(self, handle: _Lock, verb: str) -> None:
+        handle.settling = True
+        if handle.reclaimed:
+            self.stats["settlement_lost"] += 1
+            raise SettlementLost(
+                f"message {handle.message_id!r}: not {verb}, given back before its lock "
+                "renewal ended"
+            )
+
     async def ack(self, handle: _Lock) -> None:
+        self._refuse_reclaimed(handle, "completed")
         if handle.lost is not None:
             await self._finish(handle)
             raise SettlementLost(f"message {handle.message_id!r}: not completed, {handle.lost}")
         await self._settle(handle, "complete", handle.link.receiver.complete_message)
 
     async def nack(self, handle: _Lock, delay: float | None, counted: bool = True) -> None:
+        self._refuse_reclaimed(handle, "abandoned")
         hold = self._hold_for(handle, delay) if delay and delay > 0 and not self._closed else 0
         if hold > 0:
             task = asyncio.create_task(self._abandon_later(handle, hold, counted))
@@ -907,6 +940,7 @@ class ServiceBusConsumer:
         return hold
 
     async def dead_letter(self, handle: _Lock, reason: str) -> None:
+        self._refuse_reclaimed(handle, "dead-lettered")
         description = f"dead-lettered by the worker on delivery {handle.count}: {reason}"
 
         async def dead_letter(message: ServiceBusReceivedMessage) -> None:
