@@ -12,9 +12,9 @@ Verb mapping:
 - ``nack(counted=False)`` (the message is not to blame): ``abandon_message`` would
   count, so a copy carrying the count so far in ``x-worker-deliveries`` is sent to
   the queue, confirmed, and only then is the original completed. The same happens
-  to fetched messages the pump never took, at shutdown and before their lock
-  renewal ends. On a topic subscription a copy would reach every subscription, so
-  there it is a (counted) abandon.
+  to fetched messages the pump never took, at shutdown, and to any message still
+  unsettled when its lock renewal ends. On a topic subscription a copy would reach
+  every subscription, so there it is a (counted) abandon.
 - ``dead_letter(reason)``: ``dead_letter_message(reason=..., error_description=...)``
   into the entity's ``$DeadLetterQueue``.
 
