@@ -312,6 +312,8 @@ def _classify_sqlite(orig: sqlite3.OperationalError) -> Failure:
     message = str(orig)
     if "locked" in message or "busy" in message:
         return Failure.TRANSIENT
+    if message.startswith(("no such table", "no such column")):
+        return Failure.SCHEMA
     if "unable to open" in message or "disk I/O" in message:
         return Failure.CONNECTION
     return Failure.ERROR

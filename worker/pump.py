@@ -151,10 +151,11 @@ class Pump:
 
     @property
     def prefetch(self) -> int:
-        """Unsettled deliveries the broker may push: twice the workers when keys serialize,
-        so deliveries parked behind a busy key leave room for other keys."""
+        """Unsettled deliveries the broker may push. When keys serialize, deliveries parked
+        behind a busy key hold broker credit without a worker: three times the workers
+        leaves other keys room until one key has twice the workers waiting in a row."""
         concurrency = self.settings.concurrency
-        return 2 * concurrency if self.registry.keyed else concurrency
+        return 3 * concurrency if self.registry.keyed else concurrency
 
     def stop(self) -> None:
         """Ask for a graceful stop; :meth:`run` returns once in-flight work is settled."""

@@ -45,13 +45,17 @@ async def publish(settings: RabbitMQSettings, messages: list[OutgoingMessage]) -
         await admin.close()
 
 
-async def publish_raw(settings: RabbitMQSettings, *messages: aio_pika.Message) -> None:
-    """Publish exactly these AMQP messages (no id or type filled in) to the work queue."""
+async def publish_raw(
+    settings: RabbitMQSettings, *messages: aio_pika.Message, routing_keys: list[str] | None = None
+) -> None:
+    """Publish exactly these AMQP messages (no id or type filled in) to the work queue,
+    or the n-th message to the n-th of ``routing_keys`` (queue names)."""
     connection = await aio_pika.connect(settings.url)
     try:
         channel = await connection.channel()
-        for message in messages:
-            await channel.default_exchange.publish(message, routing_key=settings.queue)
+        for n, message in enumerate(messages):
+            key = settings.queue if routing_keys is None else routing_keys[n]
+            await channel.default_exchange.publish(message, routing_key=key)
     finally:
         await connection.close()
 

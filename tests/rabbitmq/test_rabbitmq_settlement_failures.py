@@ -52,8 +52,17 @@ def _retry_queues(rabbit: RabbitMQSettings) -> list[str]:
 
 
 async def _refuse_publishes(rabbit: RabbitMQSettings, vhost: str) -> None:
-    """A policy that makes the retry queues nack every publish (a real confirm nack)."""
-    pattern = f"^{rabbit.queue}\\.retry\\."
+    """A policy that makes the retry queues nack every publish (a real confirm nack).
+
+    The delay queues are quorum queues, whose length limit is soft (a publish into an
+    empty queue is accepted even at ``max-length: 0``): one filler each makes it bite.
+    """
+    await publish_raw(
+        rabbit,
+        *(aio_pika.Message(b"filler", message_id="filler") for _ in rabbit.retry_delays),
+        routing_keys=_retry_queues(rabbit),
+    )
+    pattern = f"^{rabbit.queue}\\.delay\\."
     definition = json.dumps({"max-length": 0, "overflow": "reject-publish"})
     name = f"{rabbit.queue}-refuse"
     await arabbitmqctl("set_policy", "-p", vhost, "--apply-to", "queues", name, pattern, definition)
@@ -91,7 +100,10 @@ async def test_a_failed_copy_gives_the_original_back(
     policies: list[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    rabbit = rabbit_settings(settle_timeout=0.5 if case == "confirm-timeout" else 5.0)
+    rabbit = rabbit_settings(
+        settle_timeout=0.5 if case == "confirm-timeout" else 5.0,
+        retry_delays=[60.0],  # the filler of the confirm-refused case must not expire
+    )
     broker = make_broker(rabbit)
     await broker.start(prefetch=1)  # one slot: a stuck original would block everything
     try:
@@ -175,7 +187,7 @@ async def test_an_immediate_retry_counts_up_to_the_dead_letter_queue(
     (letter,) = await take_dead_letters(rabbit)
     # a Retry is not a failure: the pump dead-letters the 4th delivery before handling it
     assert letter.headers[DELIVERIES_HEADER] == (4 if isinstance(error, Retry) else 3)
-    # classic: a copy carries the count; quorum keeps the cheap basic.nack(requeue=True)
+    # both queue types: a confirmed copy carries the count (a nack is never relied on to count)
     carried = [h.get(DELIVERIES_HEADER) for h in headers[1:]]
-    assert carried == ([1, 2] if queue_type == "classic" else [None, None])
+    assert carried == [1, 2]
     assert set((await all_depths(rabbit)).values()) == {0}

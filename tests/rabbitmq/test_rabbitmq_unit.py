@@ -62,10 +62,10 @@ def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = load(RabbitMQSettings)
     assert settings.retry_delays == [0.5, 2.0, 10.0]
     assert settings.binding_keys == ["credit.*", "debit.*"]
-    assert settings.retry_queue(0.5) == "billing.retry.500ms"
+    assert settings.retry_queue(0.5) == "billing.delay.500ms"
     assert (settings.dead_letter_exchange, settings.dead_letter_queue) == (
         "billing.dlx",
-        "billing.dead",
+        "billing.dlq",
     )
 
 

@@ -4,27 +4,28 @@ Topology, declared idempotently by the worker and by ``worker publish`` / ``work
 (``Q`` is ``WORKER_RABBITMQ_QUEUE``)::
 
     exchange (WORKER_RABBITMQ_EXCHANGE) --binding keys--> Q  (quorum; its DLX is Q.dlx)
-    Q.retry.<ms>ms  (classic, x-message-ttl=<ms>)  --TTL expiry, default exchange--> Q
-    Q.dlx (fanout) --> Q.dead  (the dead-letter queue)
+    Q.delay.<ms>ms  (quorum, x-message-ttl=<ms>, at-least-once dead-lettering)
+        --TTL expiry, default exchange--> Q
+    Q.dlx (fanout) --> Q.dlq  (the dead-letter queue, classic: peeking is free)
 
-Verb mapping:
+Verb mapping (every move is a confirmed copy before the original is released):
 
 - ``ack``: ``basic.ack``.
-- ``nack(delay)``: publish a copy to the retry queue whose TTL fits the delay (the
-  delivery count so far rides along in ``x-worker-deliveries``), wait for the
-  publisher confirm, then ack the original. With no retry queues configured, or a
-  delay of 0: ``basic.nack(requeue=True)`` on a quorum queue (its ``x-delivery-count``
-  grows); on a classic queue, which counts nothing, the copy goes back to ``Q``.
+- ``nack(delay, counted)``: publish a copy to the delay queue whose TTL fits the
+  delay, or straight to ``Q`` for an immediate retry, carrying the delivery count
+  so far in ``x-worker-deliveries`` (one less when the message is not to blame),
+  wait for the publisher confirm, then ack the original.
 - ``dead_letter(reason)``: publish a copy to ``Q.dlx`` with ``x-worker-reason`` (the
   exception type and message), wait for the confirm, then ack the original.
 - A copy that fails (returned, refused, unconfirmed in time) on a live channel:
   ``basic.nack(requeue=True)`` on the original, then ``SettlementLost``.
 
-Delivery count = ``x-worker-deliveries`` (deliveries before the last retry hop) +
-the quorum queue's ``x-delivery-count`` (returns inside the queue: nacks, crashed
-consumers) + 1. Copy-then-ack is not atomic: a crash between the two leaves the
+Delivery count = ``x-worker-deliveries`` (the worker's own count, carried across its
+copies; ignored on a dead letter moved back by an operator tool) + the quorum
+queue's ``x-delivery-count`` (returns inside the queue: crashed consumers, lost
+connections) + 1. Copy-then-ack is not atomic: a crash between the two leaves the
 original to be redelivered next to its copy, and the inbox absorbs whichever runs
-second. docs/rabbitmq.md explains why this design over a bare delivery limit.
+second. docs/rabbitmq.md explains the design and the migration from older queues.
 """
 
 from __future__ import annotations
@@ -50,7 +51,12 @@ from aio_pika.abc import (
     AbstractRobustChannel,
     AbstractRobustConnection,
 )
-from aiormq.exceptions import AMQPError, ChannelPreconditionFailed, DeliveryError
+from aiormq.exceptions import (
+    AMQPError,
+    ChannelNotFoundEntity,
+    ChannelPreconditionFailed,
+    DeliveryError,
+)
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -83,6 +89,7 @@ _BROKER_HEADERS = (
 )
 _CE_PREFIXES = ("ce-", "ce_", "cloudEvents:", "cloudEvents_")
 _MAX_REASON = 2000
+_DEFAULT_RETRY_DELAYS = (1.0, 5.0, 30.0, 120.0)
 _PUBLISH_BATCH = 256
 
 # What aio-pika/aiormq raise when a settlement can no longer reach the broker
@@ -103,7 +110,7 @@ class RabbitMQSettings(BaseSettings):
     binding_keys: list[str] = Field(["#"], description="JSON list of routing keys to bind.")
     queue_type: Literal["quorum", "classic"] = "quorum"
     retry_delays: list[float] = Field(
-        [1.0, 5.0, 30.0, 120.0], description="JSON list of seconds, one retry queue each."
+        list(_DEFAULT_RETRY_DELAYS), description="JSON list of seconds, one retry queue each."
     )
     content_hash_ids: bool = Field(False, description="No id at all: sha256(type+body). Risky.")
     reconnect_interval: float = Field(2.0, gt=0, description="Seconds between reconnects.")
@@ -134,11 +141,25 @@ class RabbitMQSettings(BaseSettings):
 
     @property
     def dead_letter_queue(self) -> str:
-        return f"{self.queue}.dead"
+        """A classic queue: a peek (get, then give back) keeps its place and counts nothing."""
+        return f"{self.queue}.dlq"
 
     def retry_queue(self, delay: float) -> str:
         """Named by its TTL, so changing the delays declares new queues instead of failing."""
-        return f"{self.queue}.retry.{round(delay * 1000)}ms"
+        return f"{self.queue}.delay.{round(delay * 1000)}ms"
+
+    @property
+    def legacy_queues(self) -> dict[str, str]:
+        """Queues of earlier versions -> where their messages belong now (drained at start).
+
+        ``Q.retry.<ms>ms`` were classic TTL queues, which dead-letter at most once (a
+        copy whose TTL ran out while the broker stopped was dropped); ``Q.dead`` was a
+        quorum queue, whose every peek raised the delivery count of its messages.
+        """
+        delays = sorted({*self.retry_delays, *_DEFAULT_RETRY_DELAYS})
+        legacy = {f"{self.queue}.retry.{round(d * 1000)}ms": self.queue for d in delays}
+        legacy[f"{self.queue}.dead"] = self.dead_letter_queue
+        return legacy
 
     def retry_delay(self, delivery_count: int, requested: float | None) -> float | None:
         """The retry queue's delay for a nack; ``None``: requeue at once."""
@@ -204,9 +225,14 @@ def make_identity(settings: RabbitMQSettings, path: str | None = None) -> Identi
 
 
 def delivery_count(message: AbstractIncomingMessage) -> int:
-    """1 on the first delivery; counts retry hops, nacks and crashed consumers alike."""
+    """1 on the first delivery; counts the worker's own retry hops and crashed consumers.
+
+    The carried count is honoured only where the worker's own retry hop set it: a
+    dead letter (it carries ``x-worker-reason``) moved back to the work queue by a
+    shovel or the management UI starts afresh, as ``worker dlq --resubmit`` does.
+    """
     headers = message.headers or {}
-    before = _int(headers.get(DELIVERIES_HEADER))
+    before = 0 if REASON_HEADER in headers else _int(headers.get(DELIVERIES_HEADER))
     returned = headers.get("x-delivery-count")  # quorum queues only
     inside = _int(returned) if returned is not None else int(bool(message.redelivered))
     return before + inside + 1
@@ -306,7 +332,7 @@ async def declare_topology(channel: AbstractChannel, settings: RabbitMQSettings)
         settings.dead_letter_exchange, aio_pika.ExchangeType.FANOUT, durable=True
     )
     dead = await channel.declare_queue(
-        settings.dead_letter_queue, durable=True, arguments={"x-queue-type": settings.queue_type}
+        settings.dead_letter_queue, durable=True, arguments={"x-queue-type": "classic"}
     )
     await dead.bind(dlx, routing_key="")
     work = await channel.declare_queue(
@@ -329,8 +355,12 @@ async def declare_topology(channel: AbstractChannel, settings: RabbitMQSettings)
             settings.retry_queue(delay),
             durable=True,
             arguments={
-                "x-queue-type": "classic",
+                # quorum + at-least-once: an expired copy leaves only once the work queue
+                # confirmed it, even across a broker restart (RabbitMQ 3.10 and later)
+                "x-queue-type": "quorum",
                 "x-message-ttl": round(delay * 1000),
+                "x-dead-letter-strategy": "at-least-once",
+                "x-overflow": "reject-publish",
                 # the default exchange routes by queue name: back to this worker's
                 # queue only, never to other queues bound to the shared exchange
                 "x-dead-letter-exchange": "",
@@ -340,9 +370,43 @@ async def declare_topology(channel: AbstractChannel, settings: RabbitMQSettings)
     return work
 
 
+async def drain_legacy_queues(connection: AbstractConnection, settings: RabbitMQSettings) -> int:
+    """Move what earlier versions' queues still hold to where it belongs now, then delete them.
+
+    Each message is copied (confirmed) before the original is acked, so a crash in
+    between leaves a duplicate for the inbox, never a loss; replicas draining at the
+    same time share the messages, since a ``basic.get`` hands each to one of them.
+    """
+    moved = 0
+    for legacy, target in settings.legacy_queues.items():
+        channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+        try:
+            try:
+                queue = await channel.declare_queue(legacy, passive=True)
+            except ChannelNotFoundEntity:
+                continue  # never existed, or drained already
+            if legacy.endswith(".dead"):  # stop the fanout from filling it while it drains
+                await queue.unbind(settings.dead_letter_exchange, "")
+            while (message := await queue.get(no_ack=False, fail=False)) is not None:
+                await channel.default_exchange.publish(_moved(message), target, mandatory=True)
+                await message.ack()
+                moved += 1
+            await queue.delete(if_unused=False, if_empty=True)
+        finally:
+            with contextlib.suppress(*_LOST):
+                await channel.close()
+    return moved
+
+
+def _moved(message: AbstractIncomingMessage) -> aio_pika.Message:
+    """A copy that keeps the worker's headers (its count, its dead-letter reason)."""
+    ours = {k: v for k, v in (message.headers or {}).items() if k in _WORKER_HEADERS}
+    return _copy(message, **ours)
+
+
 async def delete_topology(channel: AbstractChannel, settings: RabbitMQSettings) -> None:
     """Remove what :func:`declare_topology` made, messages included (tests, benchmarks)."""
-    names = [settings.queue, settings.dead_letter_queue]
+    names = [settings.queue, settings.dead_letter_queue, *settings.legacy_queues]
     names += [settings.retry_queue(delay) for delay in settings.retry_delays]
     for name in names:
         await channel.queue_delete(name, if_unused=False, if_empty=False)
@@ -404,6 +468,9 @@ class RabbitMQBroker:
             )
             await channel.set_qos(prefetch_count=prefetch)
             self._queue = await declare_topology(channel, settings)
+            drained = await drain_legacy_queues(connection, settings)
+            if drained:
+                self._log.info("moved messages out of legacy queues", messages=drained)
             connection.close_callbacks.add(self._on_lost)
             channel.close_callbacks.add(self._on_lost)
             channel.reopen_callbacks.add(self._on_restored)
@@ -437,10 +504,10 @@ class RabbitMQBroker:
                 async with asyncio.timeout(self.settings.settle_timeout):
                     await self._queue.cancel(self._consumer_tag)
             self._consumer_tag = None
-        while not self._buffer.empty():
+        while not self._buffer.empty():  # taken from the queue, never started: not counted
             handle: _Handle = self._buffer.get_nowait()._handle
-            with contextlib.suppress(*_LOST):
-                await handle.message.nack(requeue=True)
+            with contextlib.suppress(SettlementLost):
+                await self.nack(handle, 0.0, counted=False)
 
     async def close(self) -> None:
         self._consuming = False
@@ -453,12 +520,12 @@ class RabbitMQBroker:
     # -- connection state (aio-pika callbacks) -------------------------------------
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
-        if not self._consuming:  # raced with basic.cancel: give it straight back
-            with contextlib.suppress(*_LOST):
-                await message.nack(requeue=True)
-            return
         count = delivery_count(message)
         handle = _Handle(message, count, self._generation)
+        if not self._consuming:  # raced with basic.cancel: give it straight back, uncounted
+            with contextlib.suppress(SettlementLost):
+                await self.nack(handle, 0.0, counted=False)
+            return
         try:
             message_id = self.identity(message)
         except Exception:  # a deployment's WORKER_MESSAGE_ID_FUNC: the pump dead-letters None
@@ -532,16 +599,14 @@ class RabbitMQBroker:
             await handle.message.ack()
 
     async def nack(self, handle: _Handle, delay: float | None, counted: bool = True) -> None:
+        # Always a confirmed copy, never ``basic.nack(requeue=True)``: the copy carries
+        # the count (and keeps it where it is when the message is not to blame), works
+        # the same on classic queues, and does not depend on whether a RabbitMQ version
+        # counts nacks (4.3 reportedly stopped).
         level = self.settings.retry_delay(handle.count, delay)
-        if level is None and self.settings.queue_type == "quorum":
-            # its x-delivery-count grows on every return, so the cheap requeue stays bounded
-            async with self._settling(handle, "nack"):
-                await handle.message.nack(requeue=True)
-            return
-        # A classic queue counts nothing (``redelivered`` stops at "more than once"):
-        # an immediate retry is a copy back to the work queue carrying the count.
         target = self.settings.queue if level is None else self.settings.retry_queue(level)
-        copy = _copy(handle.message, **{DELIVERIES_HEADER: handle.count})
+        carried = handle.count if counted else handle.count - 1
+        copy = _copy(handle.message, **{DELIVERIES_HEADER: carried})
         await self._copy_then_ack(handle, "nack", copy, "", target)
 
     async def dead_letter(self, handle: _Handle, reason: str) -> None:
