@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import ipaddress
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,6 +27,7 @@ from tests.ops.deploy_helpers import (
     dockerfile_instructions,
     one,
     render,
+    render_with,
     stages,
 )
 from worker.settings import Settings
@@ -373,3 +375,40 @@ def test_compose_runs_an_init_pins_its_images_and_starts_only_one_broker() -> No
         "servicebus": {"sqlserver", "servicebus", "worker-servicebus"},
     }
     assert "--profile rabbitmq up" in COMPOSE.read_text()
+
+
+# -- gaps: a plain HPA instead of KEDA, a PodMonitor ---------------------------------
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_plain_hpa_component_replaces_keda_within_the_same_budget(
+    overlay: str, tmp_path: Path
+) -> None:
+    from tests.ops.test_ops_manifests import problems
+
+    docs = render_with(overlay, "plain-hpa", directory=tmp_path)
+    assert not [doc for doc in docs if doc["apiVersion"].startswith("keda.sh/")]
+    hpa = one(docs, "HorizontalPodAutoscaler")
+    assert problems(hpa) == []
+    assert hpa["spec"]["scaleTargetRef"]["name"] == one(docs, "Deployment")["metadata"]["name"]
+    assert "replicas" not in one(docs, "Deployment")["spec"]
+    keda = scaled(overlay)["spec"]
+    assert hpa["spec"]["minReplicas"] == keda["minReplicaCount"]
+    assert hpa["spec"]["maxReplicas"] <= keda["maxReplicaCount"]  # so the budget holds
+
+
+def test_the_podmonitor_component_scrapes_the_consumers(tmp_path: Path) -> None:
+    from tests.ops.test_ops_manifests import problems
+
+    docs = render_with("rabbitmq", "podmonitor", directory=tmp_path)
+    monitor = one(docs, "PodMonitor")
+    assert problems(monitor) == []
+    broken = copy.deepcopy(monitor)
+    broken["spec"]["podMetricsEndpoints"][0]["intervall"] = "30s"
+    assert problems(broken)  # the schema is awake
+    labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+    [container] = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert endpoint["port"] in {port["name"] for port in container["ports"]}
+    assert endpoint["path"] == "/metrics"

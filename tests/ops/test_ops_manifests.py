@@ -43,8 +43,8 @@ from tests.ops.deploy_helpers import (
 YAMLLINT_CONFIG = Path(__file__).with_name("yamllint.yaml")
 
 
-def keda_validator(kind: str) -> jsonschema.Draft202012Validator:
-    schema = json.loads((SCHEMAS / f"keda-{kind.lower()}.json").read_text())
+def keda_validator(kind: str, group: str = "keda") -> jsonschema.Draft202012Validator:
+    schema = json.loads((SCHEMAS / f"{group}-{kind.lower()}.json").read_text())
     jsonschema.Draft202012Validator.check_schema(schema)
     return jsonschema.Draft202012Validator(schema)
 
@@ -53,6 +53,9 @@ def problems(doc: dict[str, Any]) -> list[str]:
     """Schema errors of one manifest, whatever its kind."""
     if doc["apiVersion"].startswith("keda.sh/"):
         return [error.message for error in keda_validator(doc["kind"]).iter_errors(doc)]
+    if doc["apiVersion"].startswith("monitoring.coreos.com/"):  # the Prometheus Operator's
+        validator = keda_validator(doc["kind"], group="monitoring")
+        return [error.message for error in validator.iter_errors(doc)]
     try:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
     except kubernetes_validate.ValidationError as exc:
