@@ -189,7 +189,8 @@ class Outcome:
     reason: str | None = None
     delay: float | None = None
     # False: the message is not to blame (someone else's live claim, contention on the
-    # claim, a lease spent before the call): nack(counted=False) keeps its delivery count
+    # claim or on the call's writes, a lease spent before the call): the pump nacks with
+    # counted=False, which keeps the delivery count where it is
     counted: bool = True
 
 
@@ -459,7 +460,14 @@ async def run(
             if isinstance(exc, Retry):
                 return Outcome(NACK, "retry-requested", scrub(str(exc)), exc.delay)
             raise
-        finished = await _finish(session, claim, result or "ok")
+        try:
+            finished = await _finish(session, claim, result or "ok")
+        except Exception as exc:
+            failure = classify(exc)
+            if failure is not Failure.CONFLICT and failure is not Failure.TRANSIENT:
+                raise
+            await _close(session)  # first: on PostgreSQL it still locks the claim's row
+            return await _lost_to_contention(sessions, claim, exc, failure, settings, log, who)
     finally:
         await _close(session)
     if not finished:
@@ -476,6 +484,30 @@ async def run(
         )
         return Outcome(ACK, "duplicate", reason)
     return Outcome(ACK, "committed")
+
+
+async def _lost_to_contention(
+    sessions: async_sessionmaker[Any],
+    claim: Claim,
+    error: Exception,
+    failure: Failure,
+    settings: Settings,
+    log: Any,
+    who: dict[str, str],
+) -> Outcome:
+    """The call succeeded but its writes lost to another writer (a version conflict, a
+    deadlock, a busy SQLite file), so nothing was recorded: try again, uncounted.
+
+    The call is over, so the lease may go at once; the redelivery takes over and calls
+    again with the same key, which the provider answers from its record of the first
+    call. Uncounted (rule 13) while the claim's attempts stay below
+    WORKER_MAX_DELIVERIES, counted after that, so a row that is always hot still ends.
+    """
+    await _release(sessions, claim, error, log, abandon=False, prefix="not recorded", **who)
+    delay = backoff(claim.attempts, settings.retry_backoff, settings.retry_backoff_max)
+    reason = scrub(f"{who['consumer']}: the call's writes met a {failure.value}: {error}")
+    counted = claim.attempts >= settings.max_deliveries
+    return Outcome(NACK, "finish-contended", reason, delay, counted=counted)
 
 
 async def _timed_out(

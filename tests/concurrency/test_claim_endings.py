@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import pytest
 from pydantic import BaseModel
-from sqlalchemy import insert, text
+from sqlalchemy import Table, insert, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -612,6 +612,64 @@ async def test_contention_on_the_claim_itself_is_given_back_uncounted(
     assert (outcome.verb, outcome.outcome, outcome.counted) == ("nack", "claim-contended", False)
     assert outcome.delay is not None and outcome.delay <= settings.retry_backoff_max
     assert rows == [] and calls == Counter()
+
+
+class VersionedWallet(Base):
+    __tablename__ = "claim_versioned_wallet"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    paid: Mapped[int]
+    version: Mapped[int] = mapped_column()
+    __mapper_args__ = {"version_id_col": version}
+
+
+async def test_a_call_whose_writes_lose_to_another_writer_is_given_back_uncounted(
+    database_url: str, make_settings: Any
+) -> None:
+    """The call succeeded, then its write met a version conflict: nothing was recorded.
+    The lease goes at once (the call is over) and the delivery comes back uncounted while
+    the claim's attempts stay below WORKER_MAX_DELIVERIES; the repeated call has the same key."""
+    engine = create_engine(database_url)
+    other = create_async_engine(database_url)  # another writer, outside the worker
+    wallets = cast(Table, VersionedWallet.__table__)
+    try:
+        async with engine.begin() as connection:
+            await connection.run_sync(lambda sync: wallets.create(sync))
+            await connection.execute(insert(wallets).values(id=1, paid=0, version=1))
+
+        async def credit(ctx: ClaimContext, message: Pay) -> str:
+            wallet = await ctx.session.get_one(VersionedWallet, 1)
+            if ctx.claim.attempts == 1:  # someone else commits between our read and our write
+                async with other.begin() as connection:
+                    await connection.execute(
+                        update(wallets).values(
+                            paid=wallets.c.paid + 1, version=wallets.c.version + 1
+                        )
+                    )
+            wallet.paid += message.amount
+            return "paid"
+
+        calls: Counter[str] = Counter()
+        _, handler = pay_registry(calls, credit)
+        settings = make_settings(claim_lease=5, claim_call_timeout=4, max_deliveries=5)
+        sessions = session_factory(engine)
+        lost = await deliver(sessions, handler, settings, FakeDelivery(1))
+        [row] = await inbox_rows(engine)
+        again = await deliver(sessions, handler, settings, FakeDelivery(1))  # not counted
+        spent = await deliver(  # a claim out of attempts: counted, so a hot row still ends
+            sessions, handler, make_settings(max_deliveries=1), FakeDelivery(1, message_id="m2")
+        )
+        async with engine.connect() as connection:
+            paid = await connection.scalar(select(wallets.c.paid).where(wallets.c.id == 1))
+    finally:
+        await other.dispose()
+        await engine.dispose()
+    assert (lost.verb, lost.outcome, lost.counted) == ("nack", "finish-contended", False)
+    assert lost.delay is not None and lost.delay <= settings.retry_backoff_max
+    assert row.state == "claimed" and row.outcome.startswith("not recorded: StaleDataError")
+    assert (again.verb, again.outcome) == ("ack", "committed")  # taken over at once
+    assert (spent.outcome, spent.counted) == ("finish-contended", True)
+    assert paid == 1 + 10 + 1  # theirs, ours once, theirs again for m2
+    assert calls == Counter({"m1": 2, "m2": 1})  # m1 twice, with one key
 
 
 DEADLOCK_FUNCTION = """
