@@ -11,10 +11,12 @@ marked exactly once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections import Counter
 from collections.abc import Callable
 from decimal import Decimal
+from urllib.parse import urlsplit
 
 import pytest
 from pydantic import SecretStr
@@ -23,6 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from handlers.credit import Account, CreditRequested, apply_credit
 from tests.servicebus.fake import FakeClient, FakeServiceBus
+from tests.support.proxy import TcpProxy
 from worker.brokers import OutgoingMessage
 from worker.brokers.servicebus import ServiceBusAdmin, ServiceBusConsumer, ServiceBusSettings
 from worker.db import create_engine
@@ -231,3 +234,81 @@ async def test_graceful_restarts_holding_a_full_prefetch_spend_no_delivery(
     every = [count for seen in counts.values() for count in seen]
     assert set(counts) == {f"m-{n}" for n in range(HELD)}
     assert set(every) == {1}, counts  # every delivery of every message was its first
+
+
+async def test_a_database_outage_longer_than_lock_renewal_spends_no_delivery(
+    postgres_only_url: str,
+) -> None:
+    """PostgreSQL is cut for longer than several lock renewal windows and lock durations.
+
+    Every message the worker holds meanwhile (in an attempt, waiting in the pump, or
+    fetched and untaken) must come back with its count unchanged: with counted
+    give-backs, the entity's MaxDeliveryCount of 3 would dead-letter them unread.
+    """
+    target = urlsplit(postgres_only_url.replace("postgresql+asyncpg", "postgresql"))
+    proxy = TcpProxy(target.port or 5432)
+    await proxy.start()
+    proxied = postgres_only_url.replace(f":{target.port}/", f":{proxy.port}/")
+    bus = FakeServiceBus()
+    queue = bus.create_queue("work", lock_duration=3.0, max_delivery_count=3)
+    sb = ServiceBusSettings(
+        connection_string=SecretStr(CONNECTION_STRING),
+        queue="work",
+        receive_wait=0.2,
+        max_lock_renewal=1.5,
+    )
+    settings = Settings(
+        database_url=proxied,
+        concurrency=4,
+        max_deliveries=2,
+        max_attempts=100,
+        retry_backoff=0.001,
+        retry_backoff_max=0.01,
+        db_probe_backoff_max=0.2,
+        grace_period=2.0,
+    )
+    counts: list[int] = []
+    handlers = Registry()
+
+    @handlers.handler("CreditRequested", CreditRequested, consumer="credit")
+    async def credit(ctx: Context, message: CreditRequested) -> None:
+        counts.append(ctx.delivery_count)
+        await asyncio.sleep(0.01)
+        await apply_credit(ctx, message)
+
+    total = 60
+    body = json.dumps({"account_id": "acct", "amount": "1"}).encode()
+    admin = ServiceBusAdmin(sb, bus.client)
+    await admin.publish([OutgoingMessage(f"m-{n}", "CreditRequested", body) for n in range(total)])
+    await admin.close()
+    consumer = ServiceBusConsumer(sb, bus.client)
+    engine = create_engine(proxied, pool_size=6)
+    pump = Pump(consumer, engine, handlers, settings, name="outage")
+    task = asyncio.create_task(pump.run())
+    try:
+        await until(lambda: pump.stats["ack"] >= 10, 20, "some work done")
+        await proxy.cut()
+        await until(lambda: not pump.ready, 10, "the pump to pause")
+        await asyncio.sleep(8.0)  # > 5 renewal windows, > 2 lock durations
+        await proxy.start()
+        await until(lambda: bus.idle, 60, "every message settled")
+    finally:
+        pump.stop()
+        async with asyncio.timeout(30):
+            await task
+        await engine.dispose()
+        with contextlib.suppress(Exception):
+            await proxy.cut()
+
+    assert queue.dead_letter is not None and queue.dead_letter.count == 0
+    assert queue.stats["lock_expired"] == 0
+    assert pump.stats["ack"] >= total and pump.stats["dead-letter"] == 0
+    assert set(counts) == {1}, sorted(counts)  # every attempt ran on a first delivery
+    assert consumer.stats["withdrawn"] + consumer.stats["reclaimed"] >= 1
+    engine = create_engine(postgres_only_url, pool_size=1)
+    try:
+        async with engine.connect() as connection:
+            balance = await connection.scalar(select(Account.balance).where(Account.id == "acct"))
+    finally:
+        await engine.dispose()
+    assert Decimal(balance) == total
