@@ -262,15 +262,19 @@ def namespace_init(launcher: subprocess.Popen[Any], timeout: float = 10) -> int:
     raise AssertionError(f"unshare (pid {launcher.pid}) started no child in {timeout}s")
 
 
-def render_with(overlay: str, *components: str, directory: Path) -> tuple[dict[str, Any], ...]:
+def render_with(
+    overlay: str, *components: str, directory: Path, namespace: str | None = None
+) -> tuple[dict[str, Any], ...]:
     """An overlay plus deploy/components/<name>, as a user's own kustomization would add them."""
     relative = Path(os.path.relpath(DEPLOY, directory))
-    spec = {
+    spec: dict[str, Any] = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
         "resources": [str(relative / "overlays" / overlay)],
         "components": [str(relative / "components" / name) for name in components],
     }
+    if namespace is not None:
+        spec["namespace"] = namespace
     (directory / "kustomization.yaml").write_text(yaml.safe_dump(spec))
     result = run(tool("kubectl"), "kustomize", str(directory))
     assert result.returncode == 0, result.stderr

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import ipaddress
+import os
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,8 @@ from tests.ops.deploy_helpers import (
     one,
     render,
     render_with,
+    secret_template,
+    secret_templates,
     stages,
 )
 from worker.settings import Settings
@@ -412,3 +415,57 @@ def test_the_podmonitor_component_scrapes_the_consumers(tmp_path: Path) -> None:
     [container] = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
     assert endpoint["port"] in {port["name"] for port in container["ports"]}
     assert endpoint["path"] == "/metrics"
+
+
+def test_the_kafka_sasl_component_gives_keda_its_own_credentials(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.ops.test_ops_manifests import problems
+    from worker.brokers.kafka import KafkaSettings
+    from worker.settings import load
+
+    docs = render_with("kafka", "kafka-sasl", directory=tmp_path)
+    [trigger] = one(docs, "ScaledObject")["spec"]["triggers"]
+    auth = one(docs, "TriggerAuthentication", trigger["authenticationRef"]["name"])
+    assert problems(auth) == []
+    refs = {ref["parameter"]: ref for ref in auth["spec"]["secretTargetRef"]}
+    assert set(refs) == {"sasl", "username", "password", "tls"}
+    for ref in refs.values():
+        assert ref["key"] in secret_templates()[ref["name"]]
+    assert secret_templates()["worker-keda-kafka"]["sasl"] in {
+        "plaintext",
+        "scram_sha256",
+        "scram_sha512",
+    }
+    env = one(docs, "ConfigMap")["data"]
+    for name in [n for n in os.environ if n.startswith("WORKER_")]:
+        monkeypatch.delenv(name)
+    for name, value in {**env, **secret_template()}.items():
+        monkeypatch.setenv(name, value)
+    kafka = load(KafkaSettings)
+    assert kafka.security_protocol == "SASL_SSL"
+    # the worker and KEDA speak the same mechanism
+    keda_mode = secret_templates()["worker-keda-kafka"]["sasl"]
+    assert kafka.sasl_mechanism.lower().replace("-", "") == keda_mode.replace("_", "")
+    assert kafka.sasl_username and kafka.sasl_password
+
+
+def test_the_namespace_component_enforces_the_restricted_pod_security_level(
+    tmp_path: Path,
+) -> None:
+    docs = render_with("rabbitmq", "namespace", directory=tmp_path, namespace="billing")
+    namespace = one(docs, "Namespace")
+    assert namespace["metadata"]["name"] == "billing"
+    labels = namespace["metadata"]["labels"]
+    for mode in ("enforce", "audit", "warn"):
+        assert labels[f"pod-security.kubernetes.io/{mode}"] == "restricted"
+    for kind in ("Deployment", "Job"):
+        assert one(docs, kind)["metadata"]["namespace"] == "billing"
+        spec = one(docs, kind)["spec"]["template"]["spec"]
+        # what `restricted` demands of every container
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+        for container in every_container(spec):
+            context = container["securityContext"]
+            assert context["allowPrivilegeEscalation"] is False
+            assert context["capabilities"]["drop"] == ["ALL"]
