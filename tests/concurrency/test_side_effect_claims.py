@@ -137,6 +137,28 @@ async def test_a_live_claim_is_left_to_its_owner_and_nacked_with_a_delay(
     assert (row.state, row.claimed_by) == ("claimed", "someone-else")
 
 
+async def test_waiting_for_a_live_claim_spends_no_delivery(
+    engine: AsyncEngine, make_settings: Any, run_pumps: Any, mail_server: MailServer
+) -> None:
+    """Rule 13: with one delivery allowed, the wait for another replica's lease used to
+    spend it, and the message was dead-lettered "exhausted" instead of being sent."""
+    await add_marker(
+        engine, "welcome-1", consumer="welcome-email", state="claimed", lease=timedelta(seconds=0.5)
+    )
+    broker = MemoryBroker()
+    # room for a slow first HTTP call on a loaded machine: a cut call would be a real failure
+    settings = claim_settings(
+        make_settings, mail_server, max_deliveries=1, claim_lease=3, claim_call_timeout=2
+    )
+    async with run_pumps([broker.connect()], [engine], mail_registry(), settings) as [pump]:
+        broker.publish("welcome-1", "SendWelcomeEmail", BODY)
+        await broker.wait_idle(10)
+    assert not broker.dead_letters
+    assert [(verb, count) for verb, _, count in broker.history] == [("nack", 1), ("ack", 1)]
+    assert mail_server.calls == Counter({"welcome-1": 1})
+    assert pump.stats["claim-held"] == 1
+
+
 @pytest.mark.parametrize("cut", ["before-call", "after-call"])
 async def test_a_crash_between_phases_still_ends_in_one_effect(
     cut: str, database_url: str, make_settings: Any, run_pumps: Any, mail_server: MailServer
