@@ -100,6 +100,9 @@ class OutboxSettings(BaseSettings):
     lease: float = Field(30.0, gt=0, description="Seconds a claimed batch is held.")
     publish_timeout: float = Field(10.0, gt=0, description="Bound on one batch's confirms.")
     poll_interval: float = Field(1.0, gt=0, description="Seconds between polls when idle.")
+    linger: float = Field(
+        0.02, ge=0, description="Seconds a woken relay waits for more commits to batch."
+    )
     retry_backoff: float = Field(1.0, ge=0, description="First delay after a refusal, seconds.")
     retry_backoff_max: float = Field(60.0, ge=0, description="Cap of that delay, seconds.")
     ordered: bool = Field(False, description="Rows with the same key go out in id order.")
@@ -360,8 +363,14 @@ class Relay:
         self.stats: dict[str, int] = {"published": 0, "refused": 0, "parked": 0}
         self._log = get_logger(component="outbox-relay", relay=self.name)
         self.task: asyncio.Task[None] | None = None  # set by :func:`start`
+        self.running = False
         self._wakeup = asyncio.Event()
         self._stop = asyncio.Event()
+
+    @property
+    def ready(self) -> bool:
+        """Running and not stopping: the readiness of a dedicated ``worker relay``."""
+        return self.running and not self._stop.is_set()
 
     def stop(self) -> None:
         self._stop.set()
@@ -532,6 +541,7 @@ class Relay:
         if outbox.purge_interval > 0:
             next_purge += outbox.purge_interval
         self._log.info("outbox relay started", ordered=outbox.ordered, batch=outbox.batch)
+        self.running = True
         try:
             while not self._stop.is_set():
                 self._wakeup.clear()
@@ -563,7 +573,12 @@ class Relay:
                 waiting = self._stop if failures or unavailable else self._wakeup
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(waiting.wait(), delay)
+                if self._wakeup.is_set() and not self._stop.is_set() and outbox.linger > 0:
+                    # Woken by a commit: let the commits right behind it join the batch,
+                    # or a busy pump would pay two relay transactions per message.
+                    await asyncio.sleep(outbox.linger)
         finally:
+            self.running = False
             _wakers.discard(self._wakeup)
             self._log.info("outbox relay stopped", **self.stats)
 
@@ -748,6 +763,7 @@ async def relay_command(settings_: Settings, *, once: bool = False) -> int:
 
     from worker.brokers.publishers import open_publisher
     from worker.db import create_engine
+    from worker.ops import start_ops
 
     outbox = settings()
     engine = create_engine(settings_.database_url, pool_size=2)
@@ -761,7 +777,12 @@ async def relay_command(settings_: Settings, *, once: bool = False) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, relay.stop)
-        await relay.run()
+        ops = await start_ops(settings_, relay)  # /metrics shows the backlog gauges
+        try:
+            await relay.run()
+        finally:
+            if ops is not None:
+                await ops.stop()
     finally:
         await publisher.close()
         await engine.dispose()

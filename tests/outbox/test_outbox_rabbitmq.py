@@ -14,7 +14,7 @@ import pytest
 from pydantic import BaseModel
 
 from tests.outbox.outbox_helpers import fast_outbox, outbox_rows
-from tests.rabbitmq.rabbit_helpers import credit_registry, publish, rabbit_env, running
+from tests.rabbitmq.rabbit_helpers import credit_registry, depths, publish, rabbit_env, running
 from tests.support.database import balances, scalar
 from tests.support.processes import REPO, run_cli
 from tests.support.waiting import wait_for
@@ -233,3 +233,54 @@ async def test_a_relay_killed_between_confirm_and_mark_republishes_the_same_ids(
         == 20
     )
     assert {s[0] for s in (await fetch_states(postgres_only_url)).values()} == {"sent"}
+
+
+async def test_worker_relay_once_and_as_a_service(
+    rabbit_settings: Any, postgres_only_url: str, tmp_path: Any
+) -> None:
+    """``worker relay --once`` drains and exits; ``worker relay`` runs until SIGTERM."""
+    from tests.outbox.outbox_helpers import publish_rows
+    from tests.rabbitmq.rabbit_helpers import make_broker
+    from tests.support.processes import worker_cli
+
+    b = queue_b(rabbit_settings)
+    broker = make_broker(b)  # declares B's queue and binding, consumes nothing
+    await broker.start(prefetch=1)
+    await broker.stop_receiving()
+    await broker.close()
+    engine = create_engine(postgres_only_url, pool_size=2)
+    body = {"account_id": "a", "amount": "1"}
+    try:
+        await publish_rows(engine, "first", [("CreditRequested", body, None, None)] * 5)
+        env = rabbit_env(b, postgres_only_url, WORKER_LOG_LEVEL="ERROR")
+        once = await asyncio.to_thread(run_cli, env, "relay", "--once")
+        assert once.returncode == 0, once.stderr
+        assert "published 5 outbox rows" in once.stderr
+        assert (await depths(b, b.queue))[b.queue] == 5
+
+        log = (tmp_path / "relay.log").open("wb")
+        service = await asyncio.create_subprocess_exec(
+            *worker_cli("relay"), env={**env, "WORKER_LOG_LEVEL": "INFO"}, cwd=REPO,
+            stdout=log, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            log_text = lambda: (tmp_path / "relay.log").read_text()  # noqa: E731
+            await wait_for(lambda: "outbox relay started" in log_text(), 30, "the relay")
+            await publish_rows(engine, "second", [("CreditRequested", body, None, None)] * 3)
+            await wait_for(_depth_is(b, 8), 30, "the service to publish 3 more")
+            service.send_signal(2)  # SIGINT, this process only
+            assert await asyncio.wait_for(service.wait(), 30) == 0
+        finally:
+            if service.returncode is None:
+                service.kill()
+                await asyncio.wait_for(service.wait(), 10)
+            log.close()
+    finally:
+        await engine.dispose()
+
+
+def _depth_is(settings: RabbitMQSettings, expected: int) -> Any:
+    async def check() -> bool:
+        return (await depths(settings, settings.queue))[settings.queue] == expected
+
+    return check
