@@ -223,7 +223,7 @@ async def test_stop_gives_back_untaken_messages_uncounted_and_together(
     bus.latency = 0.3  # one by one this would take 8 round trips: 2.4 s
     started = time.monotonic()
     await consumer.stop_receiving()
-    assert time.monotonic() - started < 1.5  # one send, then the completes side by side
+    assert time.monotonic() - started < 2.0  # one send, then the completes side by side
     bus.latency = 0.0
     assert queue.locked == 0 and queue.active == 8 and queue.stats["abandon"] == 0
     assert consumer.stats["given_back_uncounted"] == 8
@@ -243,7 +243,7 @@ async def test_stop_is_bounded_when_the_give_back_hangs(
     started = time.monotonic()
     with structlog.testing.capture_logs() as logs:
         await consumer.stop_receiving()
-    assert time.monotonic() - started < 1.5  # not 3 x the SDK's bound
+    assert time.monotonic() - started < 3.0  # not 3 x the SDK's bound (2 s each here)
     assert consumer.stats["give_back_timed_out"] == 3
     assert any(e["event"].startswith("servicebus give-back at stop cut short") for e in logs)
     assert queue.locked == 3  # the originals run out on their own; the copies are there
