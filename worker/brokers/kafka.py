@@ -6,12 +6,17 @@ Kafka has no per-message settlement, so the verbs map onto offsets:
   at a time, so the settled records always form a contiguous prefix and the
   partition's commit point becomes ``offset + 1``. Commits go out every
   ``commit_interval`` seconds, when partitions are revoked, and on close.
+  With ``ordering="key"`` one record per key is out at a time, and the commit
+  point is the end of the contiguous settled prefix of the window.
 - ``nack``: nothing is committed past the record. The partition is paused, its
   buffered records are dropped, and after a backoff the consumer seeks back to
-  the record, which comes again with ``delivery_count + 1``.
+  the record, which comes again with ``delivery_count + 1`` (the same count when
+  the nack is uncounted). With ``ordering="key"`` the record waits in the buffer
+  instead, holding its key; other keys go on.
 - ``dead_letter``: the record is produced to ``<topic><dead_letter_suffix>``
   with headers naming its origin and the reason; only when the broker has
-  acknowledged that send is the record settled. A failed send is a nack.
+  acknowledged that send is the record settled. A failed send is a nack, except
+  that a send refused for good is repeated once as a reduced dead letter.
 
 Kafka keeps no delivery count: the adapter counts attempts per record in
 memory, so a restart (or a record landing on another member) starts again at 1.
@@ -151,6 +156,10 @@ class KafkaSettings(BaseSettings):
         50 * 1024 * 1024, ge=1024, description="Bytes one fetch asks for in all."
     )
     idempotent_producer: bool = Field(True, description="Idempotent dead-letter producer.")
+    ordering: Literal["partition", "key"] = Field(
+        "partition",
+        description="partition: one record per partition at a time; key: one per key.",
+    )
     max_request_size: int = Field(
         1_048_576, ge=1024, description="Largest request the dead-letter producer sends, bytes."
     )
@@ -298,27 +307,47 @@ class _Partition:
         "busy",
         "bytes",
         "committed",
+        "done",
         "generation",
         "idle",
+        "inflight",
+        "keyed",
+        "keys",
+        "not_before",
         "owned",
         "records",
         "rewind",
         "settled",
+        "span",
         "tp",
+        "window",
     )
 
-    def __init__(self, tp: Any, generation: int) -> None:
+    def __init__(self, tp: Any, generation: int, keyed: bool = False, span: int = 500) -> None:
         self.tp = tp
         self.generation = generation  # of the group, when this member got the partition
-        self.records: deque[Any] = deque()
+        self.records: deque[Any] = deque()  # fetched, not handed out (again) yet
         self.bytes = 0  # the size of what ``records`` holds
         self.owned = True
-        self.busy = False  # one record handed out and not settled yet
+        self.inflight = 0  # records handed out and not settled yet
+        self.busy = False  # inflight > 0
         self.idle = asyncio.Event()
         self.idle.set()
         self.rewind: asyncio.TimerHandle | None = None  # nacked: waiting to seek back
         self.settled: int | None = None  # the next offset to commit
         self.committed: int | None = None  # what this member last committed
+        # WORKER_KAFKA_ORDERING=key: one record per key in flight, several per partition.
+        self.keyed = keyed
+        self.window: deque[int] = deque()  # offsets fetched and not committable yet, in order
+        self.done: set[int] = set()  # settled offsets inside the window
+        self.keys: dict[bytes | None, int] = {}  # key -> the offset that holds it
+        self.not_before: dict[int, float] = {}  # nacked offset -> when it may go again
+        self.span = span  # records handed out lie within this many of the commit point
+
+    @property
+    def size(self) -> int:
+        """Records counted against ``max_buffered``: key mode counts the whole window."""
+        return len(self.window) if self.keyed else len(self.records)
 
     @property
     def label(self) -> str:
@@ -328,6 +357,8 @@ class _Partition:
         for record in records:
             self.records.append(record)
             self.bytes += _size(record)
+            if self.keyed:
+                self.window.append(record.offset)
 
     def pop(self) -> Any:
         record = self.records.popleft()
@@ -337,6 +368,58 @@ class _Partition:
     def drop(self) -> None:
         self.records.clear()
         self.bytes = 0
+        self.window.clear()
+        self.done.clear()
+        self.keys.clear()
+        self.not_before.clear()
+
+    # -- key mode --
+
+    def next_index(self, now: float) -> int | None:
+        """The first buffered record whose key is free (or its own) and not backing off.
+
+        Scanning in offset order keeps each key's records in order: a later record
+        of a key never passes an earlier one, which holds the key or comes first.
+        Only the first ``span`` records of the window are candidates: behind a slow
+        key, what runs ahead of the commit point (and would run again after a
+        crash) stays bounded, whatever one fetch brought.
+        """
+        last = self.window[self.span - 1] if len(self.window) > self.span else None
+        for index, record in enumerate(self.records):
+            if last is not None and record.offset > last:
+                return None
+            holder = self.keys.get(record.key)
+            if holder is not None and holder != record.offset:
+                continue
+            if self.not_before.get(record.offset, 0.0) > now:
+                continue
+            return index
+        return None
+
+    def take(self, index: int) -> Any:
+        record = self.records[index]
+        del self.records[index]
+        self.bytes -= _size(record)
+        self.keys[record.key] = record.offset
+        self.not_before.pop(record.offset, None)
+        return record
+
+    def put_back(self, record: Any, due: float) -> None:
+        """A nacked record waits in the buffer, in offset order, still holding its key."""
+        index = next((i for i, r in enumerate(self.records) if r.offset > record.offset), None)
+        self.records.insert(len(self.records) if index is None else index, record)
+        self.bytes += _size(record)
+        self.not_before[record.offset] = due
+
+    def settle(self, record: Any) -> None:
+        """Release the record's key; the commit point moves over the settled prefix."""
+        if self.keys.get(record.key) == record.offset:
+            del self.keys[record.key]
+        self.done.add(record.offset)
+        while self.window and self.window[0] in self.done:
+            first = self.window.popleft()
+            self.done.discard(first)
+            self.settled = first + 1
 
 
 def _size(record: Any) -> int:
@@ -420,7 +503,7 @@ class KafkaBroker:
         return list(self._partitions)
 
     async def start(self, prefetch: int) -> None:
-        """Join the group. ``prefetch`` is moot: at most one record per partition is in flight."""
+        """Join the group. ``prefetch`` is moot: one record per partition (or key) is in flight."""
         kafka = self.kafka
         options = kafka.client_options()
         self._consumer = AIOKafkaConsumer(
@@ -549,7 +632,7 @@ class KafkaBroker:
         want = {
             tp
             for tp, p in self._partitions.items()
-            if p.rewind is not None or len(p.records) >= limit or p.bytes >= room
+            if p.rewind is not None or p.size >= limit or p.bytes >= room
         }
         paused = set(consumer.paused())
         if want - paused:
@@ -559,12 +642,11 @@ class KafkaBroker:
             consumer.resume(*resume)
 
     def _offerable(self, partition: _Partition) -> bool:
-        return (
-            partition.owned
-            and not partition.busy
-            and partition.rewind is None
-            and bool(partition.records)
-        )
+        if not partition.owned or partition.rewind is not None or not partition.records:
+            return False
+        if partition.keyed:
+            return partition.next_index(time.monotonic()) is not None
+        return not partition.busy
 
     def _offer(self, partition: _Partition) -> None:
         if self._offerable(partition) and partition not in self._ready:
@@ -572,7 +654,13 @@ class KafkaBroker:
             self._wakeup.set()
 
     def _hand_out(self, partition: _Partition) -> Delivery:
-        record = partition.pop()
+        if partition.keyed:
+            index = partition.next_index(time.monotonic())
+            assert index is not None  # receive() checked _offerable
+            record = partition.take(index)
+        else:
+            record = partition.pop()
+        partition.inflight += 1
         partition.busy = True
         partition.idle.clear()
         attempt = self._attempts.get(partition.tp, {}).get(record.offset, 0) + 1
@@ -596,14 +684,24 @@ class KafkaBroker:
         if self._overdue_after is not None:
             self._out[handle] = time.monotonic() + self._overdue_after
         body = record.value or b""
+        if partition.keyed:
+            self._offer(partition)  # records of other keys may go at once
         return Delivery(message_id, message_type, body, headers, attempt, self, handle)
+
+    def _returned(self, partition: _Partition) -> None:
+        partition.inflight -= 1
+        partition.busy = partition.inflight > 0
+        if not partition.busy:
+            partition.idle.set()
 
     def _settled(self, handle: _Handle) -> None:
         partition = handle.partition
         offset = handle.record.offset
-        partition.settled = offset + 1
-        partition.busy = False
-        partition.idle.set()
+        if partition.keyed:
+            partition.settle(handle.record)
+        else:
+            partition.settled = offset + 1
+        self._returned(partition)
         attempts = self._attempts.get(partition.tp)
         if attempts:
             attempts.pop(offset, None)
@@ -636,13 +734,21 @@ class KafkaBroker:
             kafka = self.kafka
             delay = kafka.redelivery_delay * 2 ** (handle.attempt - 1)
             delay = min(kafka.redelivery_delay_max, delay)
+        loop = asyncio.get_running_loop()
+        self._returned(partition)
+        if partition.keyed:
+            # Keep the record, and its key: later records of the key wait behind it,
+            # other keys go on; the commit point stays below it meanwhile.
+            partition.put_back(record, time.monotonic() + delay)
+            loop.call_later(delay + 0.001, self._offer, partition)
+            self._log.debug(
+                "backing off", partition=partition.label, offset=record.offset, delay=delay
+            )
+            return
         # Pause now, so that nothing fetched behind the record is handed out;
         # seek back to it once the backoff is over.
         self._consumer.pause(partition.tp)
         partition.drop()
-        partition.busy = False
-        partition.idle.set()
-        loop = asyncio.get_running_loop()
         partition.rewind = loop.call_later(delay, self._seek_back, partition, record.offset)
         self._log.debug(
             "rewinding",
@@ -803,7 +909,10 @@ class KafkaBroker:
             previous = self._partitions.get(tp)
             if previous is not None:  # not revoked first: its handles must not commit
                 self._disown(previous)
-            self._partitions[tp] = _Partition(tp, self._generation())
+            keyed = self.kafka.ordering == "key"
+            self._partitions[tp] = _Partition(
+                tp, self._generation(), keyed, span=self.kafka.max_buffered
+            )
         labels = sorted(p.label for p in self._partitions.values())
         self._log.info("partitions assigned", partitions=labels)
 
