@@ -18,10 +18,11 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/worker
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md deploy/constraints.txt ./
 COPY worker ./worker
 COPY handlers ./handlers
-RUN /opt/worker/bin/pip install --no-compile ".[otel,azure]" \
+# -c: the lock (deploy/constraints.txt), so a rebuild installs the same versions
+RUN /opt/worker/bin/pip install --no-compile -c constraints.txt ".[otel,azure]" \
     && /opt/worker/bin/python -m compileall -q /opt/worker
 
 # Final stage: the interpreter, the virtualenv, a non-root user; no pip cache, no sources.

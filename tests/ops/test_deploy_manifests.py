@@ -13,16 +13,20 @@ from __future__ import annotations
 import copy
 import ipaddress
 import os
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from tests.ops.deploy_helpers import (
     COMPOSE,
     DEPLOY,
     OVERLAYS,
+    REPO,
     compose,
     config,
     dockerfile_instructions,
@@ -469,3 +473,51 @@ def test_the_namespace_component_enforces_the_restricted_pod_security_level(
             context = container["securityContext"]
             assert context["allowPrivilegeEscalation"] is False
             assert context["capabilities"]["drop"] == ["ALL"]
+
+
+# -- gaps: the image's dependency lock -------------------------------------------------
+
+
+def constraints() -> dict[str, str]:
+    pins: dict[str, str] = {}
+    for line in (DEPLOY / "constraints.txt").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version, f"not a pin: {line}"
+            pins[canonicalize_name(name)] = version
+    return pins
+
+
+def test_the_image_build_installs_from_a_lock_that_pins_every_dependency() -> None:
+    import tomllib
+
+    build = stages(dockerfile_instructions())[0]
+    runs = " ".join(rest for keyword, rest in build if keyword == "RUN")
+    assert "-c constraints.txt" in runs
+    copies = " ".join(rest for keyword, rest in build if keyword == "COPY")
+    assert "deploy/constraints.txt" in copies
+    pins = constraints()
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = [*project["dependencies"]]
+    for extra in ("otel", "azure"):  # what the image installs
+        wanted += project["optional-dependencies"][extra]
+    for spec in wanted:
+        requirement = Requirement(spec)
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"{name} is not pinned"
+        assert requirement.specifier.contains(pins[name], prereleases=True), (spec, pins[name])
+    # the pins are closed: what a pinned distribution needs is pinned too (checked with
+    # the metadata of the distributions installed here)
+    for name in pins:
+        try:
+            requires = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        for spec in requires:
+            requirement = Requirement(spec)
+            if requirement.marker is not None and not requirement.marker.evaluate(
+                {"extra": "", "python_version": "3.12", "python_full_version": "3.12.0"}
+            ):
+                continue
+            assert canonicalize_name(requirement.name) in pins, f"{name} needs {spec}"
