@@ -703,9 +703,18 @@ class RabbitMQAdmin:
                     f"(message {item.message_id!r}) reaches no queue"
                 ) from None
 
+        confirmed = 0
         for start in range(0, len(messages), _PUBLISH_BATCH):
-            await asyncio.gather(*(send(m) for m in messages[start : start + _PUBLISH_BATCH]))
-        return len(messages)
+            batch = messages[start : start + _PUBLISH_BATCH]
+            try:
+                await asyncio.gather(*(send(m) for m in batch))
+            except _LOST as exc:  # the connection went away (a broker restart, say)
+                raise BrokerUnavailable(
+                    f"publishing to {settings.exchange or settings.queue!r}: {scrub(str(exc))} "
+                    f"({confirmed} confirmed before)"
+                ) from None
+            confirmed += len(batch)
+        return confirmed
 
     async def dead_letters(
         self, limit: int, match: DeadLetterFilter | None = None, *, scan: int = DEFAULT_SCAN
