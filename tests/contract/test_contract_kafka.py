@@ -57,3 +57,16 @@ class TestKafkaContract(BrokerContract):
         harness = KafkaHarness(tansu.bootstrap, settings_for(tansu.bootstrap, topic))
         yield harness
         await harness.close()
+
+
+class TestKafkaKeyOrderingContract(BrokerContract):
+    """The same contract with ``WORKER_KAFKA_ORDERING=key``."""
+
+    @pytest.fixture
+    async def harness(self, tansu: Tansu) -> AsyncIterator[Harness]:
+        topic = unique("contract")
+        await create_topic(tansu.bootstrap, topic, PARTITIONS)
+        settings = settings_for(tansu.bootstrap, topic, ordering="key")
+        harness = KafkaHarness(tansu.bootstrap, settings)
+        yield harness
+        await harness.close()

@@ -141,15 +141,17 @@ async def _at_least(url: str, rows: int) -> bool:
     return await inbox_rows(url) >= rows
 
 
+@pytest.mark.parametrize("ordering", ["partition", "key"])
 async def test_workers_joining_and_leaving_mid_stream(
     new_topic: Callable[[int], Awaitable[str]],
     kafka_settings: Callable[..., KafkaSettings],
     postgres_only_url: str,
     spawn: Spawn,
+    ordering: str,
 ) -> None:
     url, partitions = postgres_only_url, 6
     topic = await new_topic(partitions)
-    kafka = kafka_settings(topic)
+    kafka = kafka_settings(topic, ordering=ordering)  # records are keyed by account
     stream = Stream(seed=11, accounts=12, partitions=partitions)
     env = worker_env(kafka, url)
     first = spawn(env, "a")
