@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import random
 import signal
 import time
 from collections.abc import Callable
@@ -181,4 +182,5 @@ def migrate_command(
         if time.monotonic() >= deadline:
             log.error("schema not at head in time", status=line, timeout_s=timeout)
             return 1
-        time.sleep(poll_interval)
+        # jittered, so the gates of many pods do not probe a returning database in step
+        time.sleep(poll_interval * random.uniform(0.75, 1.25))
