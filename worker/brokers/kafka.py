@@ -166,7 +166,8 @@ class KafkaSettings(BaseSettings):
     watchdog_margin: float = Field(
         30.0,
         ge=0,
-        description="Seconds past WORKER_HANDLER_TIMEOUT before a record counts as hung.",
+        description="Seconds past WORKER_HANDLER_TIMEOUT + WORKER_RETRY_BUDGET before a "
+        "record in a handler counts as hung.",
     )
 
     @property
@@ -477,8 +478,13 @@ class KafkaBroker:
         # The watchdog: every record handed out and not settled yet, with the time
         # it becomes overdue. An overdue record takes this member out of the group.
         self._out: dict[_Handle, float] = {}
+        # A delivery may legitimately take one handler attempt, plus the pump's
+        # in-process retries of conflicts; past that and the margin, it is hung.
         limit = getattr(settings, "handler_timeout", 300.0)  # WORKER_HANDLER_TIMEOUT
-        self._overdue_after = None if limit is None else float(limit) + kafka.watchdog_margin
+        retries = float(getattr(settings, "retry_budget", 0.0))  # WORKER_RETRY_BUDGET
+        self._overdue_after = (
+            None if limit is None else float(limit) + retries + kafka.watchdog_margin
+        )
         self._left = False  # out of the group because a record is overdue
 
     # -- lifecycle --------------------------------------------------------------
@@ -953,10 +959,11 @@ class KafkaBroker:
 
         The fetch task keeps polling whatever the handlers do, so the group's
         ``max.poll.interval`` never notices a hung handler; this does. A record
-        still out ``WORKER_HANDLER_TIMEOUT`` + ``WORKER_KAFKA_WATCHDOG_MARGIN``
-        seconds after it was handed out means the pump's own time limit did not
-        end it: the member commits its settled prefixes, leaves, and its
-        partitions go to the other members, the overdue record included.
+        still out ``WORKER_HANDLER_TIMEOUT`` + ``WORKER_RETRY_BUDGET`` +
+        ``WORKER_KAFKA_WATCHDOG_MARGIN`` seconds after it was handed out means the
+        pump's own time limits did not end it: the member commits its settled
+        prefixes, leaves, and its partitions go to the other members, the overdue
+        record included.
         """
         assert self._overdue_after is not None
         step = max(0.05, min(1.0, self._overdue_after / 4))
