@@ -101,6 +101,10 @@ def _outcome(text: str) -> str:
     return scrub(text)[:_OUTCOME_LENGTH]
 
 
+# Database trouble that is nobody's verdict on the claim: the pump pauses or gives back.
+_NOT_NOW = frozenset({Failure.CONNECTION, Failure.SCHEMA, Failure.LOCKED})
+
+
 def _margin(lease: float) -> float:
     """How long before its lease ends a call is cut: room for the loop's lag and the cut itself."""
     return min(1.0, lease * 0.05)
@@ -453,7 +457,9 @@ async def run(
             return await _timed_out(sessions, claim, TimeoutError(text), settings, log, last, who)
         except Exception as exc:
             # CancelledError (shutdown, a crash) skips this: the lease runs out instead.
-            abandon = isinstance(exc, Poison) or (last and not isinstance(exc, Retry))
+            # A value the database refuses (the handler's own statement) is poison too.
+            poison = isinstance(exc, Poison) or classify(exc) is Failure.DATA
+            abandon = poison or (last and not isinstance(exc, Retry))
             await _release(sessions, claim, exc, log, abandon=abandon, **who)
             if isinstance(exc, Poison):
                 return Outcome(DEAD_LETTER, "poison", scrub(f"{handler.consumer}: {exc}"))
@@ -463,11 +469,18 @@ async def run(
         try:
             finished = await _finish(session, claim, result or "ok")
         except Exception as exc:
+            # The call is over; its record failed. Outages (connection, schema, lock) leave
+            # the claim to its lease; anything else is definite and may release it.
             failure = classify(exc)
-            if failure is not Failure.CONFLICT and failure is not Failure.TRANSIENT:
+            if failure in _NOT_NOW:
                 raise
             await _close(session)  # first: on PostgreSQL it still locks the claim's row
-            return await _lost_to_contention(sessions, claim, exc, failure, settings, log, who)
+            if failure is Failure.CONFLICT or failure is Failure.TRANSIENT:
+                return await _lost_to_contention(sessions, claim, exc, failure, settings, log, who)
+            # a value the database refuses is poison (the pump dead-letters it at once)
+            abandon = last or failure is Failure.DATA
+            await _release(sessions, claim, exc, log, abandon=abandon, prefix="not recorded", **who)
+            raise
     finally:
         await _close(session)
     if not finished:

@@ -20,7 +20,8 @@ from typing import Any, cast
 
 import pytest
 from pydantic import BaseModel
-from sqlalchemy import Table, insert, select, text, update
+from sqlalchemy import BigInteger, Table, insert, select, text, update
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -28,7 +29,7 @@ from tests.concurrency.concurrency_helpers import INBOX, inbox_rows
 from worker import claims, retention
 from worker.brokers.memory import MemoryBroker
 from worker.claims import ClaimContext, side_effect
-from worker.db import create_engine, session_factory
+from worker.db import Failure, classify, create_engine, session_factory
 from worker.errors import Poison
 from worker.logs import get_logger
 from worker.registry import Handler, Registry
@@ -614,6 +615,12 @@ async def test_contention_on_the_claim_itself_is_given_back_uncounted(
     assert rows == [] and calls == Counter()
 
 
+class Receipt(Base):
+    __tablename__ = "claim_receipts"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    amount: Mapped[int] = mapped_column(BigInteger)
+
+
 class VersionedWallet(Base):
     __tablename__ = "claim_versioned_wallet"
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -670,6 +677,47 @@ async def test_a_call_whose_writes_lose_to_another_writer_is_given_back_uncounte
     assert (spent.outcome, spent.counted) == ("finish-contended", True)
     assert paid == 1 + 10 + 1  # theirs, ours once, theirs again for m2
     assert calls == Counter({"m1": 2, "m2": 1})  # m1 twice, with one key
+
+
+async def test_a_call_whose_writes_the_database_refuses_abandons_its_claim(
+    database_url: str, make_settings: Any
+) -> None:
+    """The call succeeded, then its write carries a value the database refuses for good
+    (an integer beyond 64 bits: SQLSTATE class 22 on PostgreSQL, OverflowError on SQLite).
+    The pump dead-letters that as poison; the claim is abandoned with it, so the sweeper
+    never calls the provider again for a message in the dead-letter queue."""
+    engine = create_engine(database_url)
+    receipts = cast(Table, Receipt.__table__)
+    try:
+        async with engine.begin() as connection:
+            await connection.run_sync(lambda sync: receipts.create(sync))
+
+        async def record(ctx: ClaimContext, message: Pay) -> str:
+            if ctx.message_id == "sent-at-once":  # fails inside the call
+                await ctx.session.execute(insert(receipts).values(amount=2**70))
+            else:  # pending: fails when the claim is marked finished
+                ctx.session.add(Receipt(amount=2**70))
+            return "paid"
+
+        calls: Counter[str] = Counter()
+        registry, handler = pay_registry(calls, record)
+        settings = make_settings(claim_lease=0.3, claim_call_timeout=0.2, max_deliveries=5)
+        sessions = session_factory(engine)
+        raised = []
+        for kind in ("sent-at-once", "flushed-at-finish"):
+            with pytest.raises((DBAPIError, OverflowError)) as error:
+                await deliver(sessions, handler, settings, FakeDelivery(1, message_id=kind))
+            raised.append(error.value)
+        rows = await inbox_rows(engine)
+        await asyncio.sleep(0.4)  # long past the lease the claims had
+        swept = await claims.redrive(sessions, registry, settings, LOG)
+    finally:
+        await engine.dispose()
+    assert [classify(exc) for exc in raised] == [Failure.DATA] * 2  # the pump: poison
+    assert [(row.state, row.lease_until) for row in rows] == [("abandoned", None)] * 2
+    assert rows[1].outcome.startswith("not recorded: ")
+    assert swept == Counter()  # never called again for a message in the dead-letter queue
+    assert calls == Counter({"sent-at-once": 1, "flushed-at-finish": 1})
 
 
 DEADLOCK_FUNCTION = """
