@@ -425,7 +425,7 @@ async def run(
         # The claim itself (a lock wait, a slow commit) ate the lease: calling now could
         # overlap a takeover. Nothing was called, so the lease may go at once.
         spent = TimeoutError("the lease ran out while the claim was being committed")
-        await _release(sessions, claim, spent, log, abandon=False, prefix="not called", **who)
+        await _release(sessions, claim, spent, log, abandon=False, prefix="not called", who=who)
         delay = backoff(claim.attempts, settings.retry_backoff, settings.retry_backoff_max)
         return Outcome(NACK, "lease-spent", f"{handler.consumer}: {spent}", delay, counted=False)
     session = sessions()
@@ -460,7 +460,7 @@ async def run(
             # A value the database refuses (the handler's own statement) is poison too.
             poison = isinstance(exc, Poison) or classify(exc) is Failure.DATA
             abandon = poison or (last and not isinstance(exc, Retry))
-            await _release(sessions, claim, exc, log, abandon=abandon, **who)
+            await _release(sessions, claim, exc, log, abandon=abandon, who=who)
             if isinstance(exc, Poison):
                 return Outcome(DEAD_LETTER, "poison", scrub(f"{handler.consumer}: {exc}"))
             if isinstance(exc, Retry):
@@ -479,7 +479,9 @@ async def run(
                 return await _lost_to_contention(sessions, claim, exc, failure, settings, log, who)
             # a value the database refuses is poison (the pump dead-letters it at once)
             abandon = last or failure is Failure.DATA
-            await _release(sessions, claim, exc, log, abandon=abandon, prefix="not recorded", **who)
+            await _release(
+                sessions, claim, exc, log, abandon=abandon, prefix="not recorded", who=who
+            )
             raise
     finally:
         await _close(session)
@@ -506,7 +508,7 @@ async def _lost_to_contention(
     failure: Failure,
     settings: Settings,
     log: Any,
-    who: dict[str, str],
+    who: Mapping[str, str],
 ) -> Outcome:
     """The call succeeded but its writes lost to another writer (a version conflict, a
     deadlock, a busy SQLite file), so nothing was recorded: try again, uncounted.
@@ -516,7 +518,7 @@ async def _lost_to_contention(
     call. Uncounted (rule 13) while the claim's attempts stay below
     WORKER_MAX_DELIVERIES, counted after that, so a row that is always hot still ends.
     """
-    await _release(sessions, claim, error, log, abandon=False, prefix="not recorded", **who)
+    await _release(sessions, claim, error, log, abandon=False, prefix="not recorded", who=who)
     delay = backoff(claim.attempts, settings.retry_backoff, settings.retry_backoff_max)
     reason = scrub(f"{who['consumer']}: the call's writes met a {failure.value}: {error}")
     counted = claim.attempts >= settings.max_deliveries
@@ -530,7 +532,7 @@ async def _timed_out(
     settings: Settings,
     log: Any,
     last: bool,
-    who: dict[str, str],
+    who: Mapping[str, str],
 ) -> Outcome:
     """A cut call: the provider may still be working on it, so the lease stays.
 
@@ -541,7 +543,9 @@ async def _timed_out(
     re-submitted dead letter waits for the lease to end.
     """
     if last:
-        await _release(sessions, claim, error, log, prefix="unknown", abandon=True, **who)
+        await _release(
+            sessions, claim, error, log, prefix="unknown", abandon=True, keep_lease=True, who=who
+        )
         raise error
     remaining = await _keep(sessions, claim, error, log)
     delay = min(settings.claim_lease, remaining + 0.05)
@@ -614,24 +618,24 @@ async def _release(
     error: BaseException,
     log: Any,
     *,
-    message_id: str | None = None,
-    consumer: str | None = None,
+    who: Mapping[str, str] | None = None,
     abandon: bool = False,
     prefix: str = "failed",
+    keep_lease: bool = False,
 ) -> None:
     """End our lease now, so the redelivery may take over at once; record the error.
 
     With ``abandon`` the message is being dead-lettered: the claim becomes
     abandoned, so the sweeper leaves it alone. Conditional on the owner: if our
     lease already ran out and another replica took over, releasing would hand
-    its live claim to a third. ``prefix="unknown"`` (a cut call) abandons the
-    claim but keeps its lease: the call may still be running.
+    its live claim to a third. ``keep_lease`` (a cut call on the last delivery)
+    abandons the claim but leaves its lease to run out: the call may still be running.
     """
     session: AsyncSession = sessions()
     values: dict[str, Any] = {"outcome": _outcome(f"{prefix}: {type(error).__name__}: {error}")}
     if abandon:
         values.update(state=ABANDONED, processed_at=_now(session))
-        if prefix != "unknown":
+        if not keep_lease:
             values.update(lease_until=None)
     else:
         values.update(lease_until=_now(session))
@@ -654,8 +658,8 @@ async def _release(
     if abandon and result.rowcount:  # type: ignore[attr-defined]
         log.warning(
             "claim abandoned",
-            message_id=message_id,
-            consumer=consumer,
+            message_id=(who or {}).get("message_id"),
+            consumer=(who or {}).get("consumer"),
             attempt=claim.attempts,
             outcome=ABANDONED,
             reason=values["outcome"],
