@@ -184,7 +184,7 @@ async def test_a_dead_letter_too_large_for_the_producer_is_sent_reduced(
     assert header(letter, "dlt-message-id") == "big"
     assert "invalid body for CreditRequested" in (header(letter, "dlt-reason") or "")
     if max_request_size is None:  # reduced: the value stays in the source topic only
-        assert letter.value is None
+        assert letter.value == b""
         assert header(letter, "dlt-dropped") == "value"
         assert header(letter, "dlt-original-size") == str(BIG)
         assert header(letter, "type") == "CreditRequested"  # small headers travel along

@@ -12,9 +12,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiokafka import AIOKafkaProducer, TopicPartition  # type: ignore[import-untyped]
 from aiokafka.errors import KafkaConnectionError  # type: ignore[import-untyped]
 
-from tests.kafka.kafka_helpers import committed, committed_is, produce, worker_env
+from tests.kafka.kafka_helpers import (
+    committed,
+    committed_is,
+    header,
+    produce,
+    topic_records,
+    worker_env,
+)
 from tests.support.processes import arun_cli
 from tests.support.waiting import wait_for
 from worker.brokers.kafka import KafkaBroker, KafkaSettings
@@ -300,3 +308,48 @@ async def test_a_broker_refusing_the_idempotent_producer_names_the_setting(
     assert result.returncode == 2, result.stderr
     assert "refused the idempotent producer" in result.stderr
     assert "WORKER_KAFKA_IDEMPOTENT_PRODUCER=false" in result.stderr
+
+
+async def test_a_dead_letter_refused_even_reduced_is_rewound_not_released(
+    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
+) -> None:
+    """Rule 12: no copy confirmed, no release, even when the refusal is for good."""
+    topic = await new_topic(1)
+    await produce(bootstrap, topic, [(None, b"{}", {"message-id": f"m{n}"}, 0) for n in range(2)])
+    # the smallest request size: even the dlt-* headers of a long reason do not fit
+    kafka = kafka_settings(topic, max_request_size=1024, commit_interval=0.05)
+    async with started(kafka) as broker:
+        first = await receive(broker)
+        with pytest.raises(SettlementLost, match="refused the record"):
+            await first.dead_letter("r" * 1500)
+        again = await receive(broker)
+        assert (again.message_id, again.delivery_count) == ("m0", 2)
+        await again.dead_letter("short")  # a reduced-size reason fits: settled
+        assert (await receive(broker)).message_id == "m1"
+        await wait_for(
+            lambda: committed_is(bootstrap, kafka.group_id, topic, 1), 5, "commit of 1", step=0.1
+        )
+
+
+async def test_a_keyless_tombstone_can_be_dead_lettered(
+    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
+) -> None:
+    """No key and no value: aiokafka refuses to send that as is; the letter carries b""."""
+    topic = await new_topic(1)
+    # Other clients write these; aiokafka's send() refuses, its accumulator does not.
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    await producer.start()
+    try:
+        sent = await producer._message_accumulator.add_message(
+            TopicPartition(topic, 0), None, None, 10.0, headers=[("message-id", b"t0")]
+        )
+        await sent
+    finally:
+        await producer.stop()
+    async with started(kafka_settings(topic, commit_interval=0.05)) as broker:
+        delivery = await receive(broker)
+        assert delivery.body == b""
+        await delivery.dead_letter("invalid body")
+        await wait_for(lambda: committed_is(bootstrap, broker.kafka.group_id, topic, 1), 5, "1")
+    letters = await topic_records(bootstrap, f"{topic}.DLT")
+    assert [(r.key, r.value, header(r, "dlt-message-id")) for r in letters] == [(None, b"", "t0")]

@@ -784,10 +784,10 @@ class KafkaBroker:
         topic = self.kafka.dead_letter_topic(record.topic)
         own = self._dead_letter_headers(handle, reason)
         original = [(k, v) for k, v in record.headers or () if not k.startswith(_DLT_PREFIX)]
+        # aiokafka refuses a record with neither key nor value (a keyless tombstone)
+        value = b"" if record.value is None and record.key is None else record.value
         try:
-            await self._producer.send_and_wait(
-                topic, record.value, key=record.key, headers=original + own
-            )
+            await self._producer.send_and_wait(topic, value, key=record.key, headers=original + own)
         except _UNSENDABLE as exc:
             await self._dead_letter_reduced(handle, topic, original, own, exc)
         except KafkaError as exc:
@@ -838,7 +838,7 @@ class KafkaBroker:
             error=refusal,
         )
         try:
-            await self._producer.send_and_wait(topic, None, key=key, headers=headers + own + marks)
+            await self._producer.send_and_wait(topic, b"", key=key, headers=headers + own + marks)
         except KafkaError as exc:
             await self._dead_letter_failed(handle, topic, exc)
 
