@@ -125,6 +125,16 @@ async def exclusive(
         await connection.close()
 
 
+async def database_now(connection: AsyncConnection) -> datetime:
+    """The database server's current time (UTC): markers are stamped with its clock."""
+    value = await connection.scalar(select(func.current_timestamp()))
+    await connection.commit()
+    if isinstance(value, str):  # SQLite: 'YYYY-MM-DD HH:MM:SS', UTC
+        value = datetime.fromisoformat(value)
+    stamp = cast(datetime, value)
+    return stamp if stamp.tzinfo is not None else stamp.replace(tzinfo=UTC)
+
+
 async def purge(
     engine: AsyncEngine,
     settings: Settings,
@@ -135,14 +145,18 @@ async def purge(
 ) -> PurgeResult:
     """Delete finished markers older than the retention window, in bounded batches.
 
-    Each batch commits on its own (rule 10: outside one long transaction is
-    right here), with ``pause`` seconds between batches for live traffic.
+    Each batch commits on its own (a bulk delete outside one long transaction is
+    right here), with ``pause`` seconds between batches for live traffic. The cutoff
+    is computed from the database's clock unless ``now`` is given, so a worker whose
+    own clock runs ahead cannot purge markers early.
     """
-    cutoff = (now or datetime.now(UTC)) - settings.retention
     deleted = batches = 0
     async with exclusive(engine) as connection:
         if connection is None:
-            return PurgeResult(False, 0, 0, cutoff)
+            return PurgeResult(False, 0, 0, (now or datetime.now(UTC)) - settings.retention)
+        if now is None:  # the database's clock, the one that wrote processed_at
+            now = await database_now(connection)
+        cutoff = now - settings.retention
         statement = PURGE_BATCH[connection.dialect.name]
         for _ in range(settings.purge_max_batches):
             result = await connection.execute(

@@ -239,3 +239,21 @@ async def test_the_purge_walks_the_processed_at_index_on_postgresql(postgres_onl
     assert "ix_inbox_processed_at" in plan, plan
     assert "Seq Scan on inbox" not in plan, plan
     assert "Limit" in plan, plan
+
+
+async def test_the_cutoff_comes_from_the_database_clock_not_the_workers(
+    engine: AsyncEngine, make_settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker whose clock runs a day ahead must not purge markers the window still needs:
+    ``processed_at`` is stamped by the database, so the cutoff is computed from its clock."""
+    await add_marker(engine, "recent", age=timedelta(minutes=30))  # inside the hour
+
+    class AheadClock(datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> AheadClock:
+            return cls.fromtimestamp(datetime.now(UTC).timestamp() + DAY.total_seconds(), tz)
+
+    monkeypatch.setattr(retention, "datetime", AheadClock)
+    result = await retention.purge(engine, short_window(make_settings), pause=0)
+    assert (result.ran, result.deleted) == (True, 0)
+    assert await remaining(engine) == ["recent"]
