@@ -34,7 +34,9 @@ class CreditRequested(BaseModel):
     amount: Decimal
 
 
-@handler("CreditRequested", CreditRequested, consumer="credit")
+# key: credits to one account queue up inside the process instead of colliding on its
+# version token (across replicas the token and the pump's retry still decide)
+@handler("CreditRequested", CreditRequested, consumer="credit", key=lambda m: m.account_id)
 async def apply_credit(ctx: Context, message: CreditRequested) -> None:
     session = ctx.session
     account = await session.get(Account, message.account_id)

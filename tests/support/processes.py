@@ -17,6 +17,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -113,3 +115,47 @@ class WorkerProcess:
 def events(workers: Iterable[WorkerProcess], event: str) -> list[dict[str, Any]]:
     """One event's log lines across several workers."""
     return [line for worker in workers for line in worker.events(event)]
+
+
+class Fleet:
+    """The worker processes of one scenario: live ones by slot, and every one ever started."""
+
+    def __init__(self, env: dict[str, str], logs: Path) -> None:
+        self.env, self.logs = env, logs
+        self.live: dict[str, WorkerProcess] = {}
+        self.workers: list[WorkerProcess] = []
+        self.events: list[str] = []
+        self.exit_codes: dict[str, int] = {}
+        self.seconds = 0.0
+
+    def start(self, slot: str) -> None:
+        process = WorkerProcess(self.env, self.logs / f"worker-{slot}-{len(self.workers)}.log")
+        self.live[slot] = process
+        self.workers.append(process)
+
+    def all_started(self) -> bool:
+        for worker in self.live.values():
+            if worker.process.poll() is not None:  # died at start: show why
+                pytest.fail(worker.log_path.read_text()[-3000:])
+        return all(w.logged("pump started") for w in self.live.values())
+
+    async def act(self, action: str, slot: str, progress: float) -> None:
+        self.events.append(f"{action} {slot} at {progress:.0%}")
+        worker = self.live.pop(slot)
+        if action == "kill":
+            worker.signal(signal.SIGKILL)
+            await asyncio.to_thread(worker.wait, 10)
+            self.start(slot)  # a restarted pod
+        else:
+            worker.signal(signal.SIGTERM)
+            self.exit_codes[f"{slot} (SIGTERM)"] = await asyncio.to_thread(worker.wait, 30)
+
+    async def stop(self) -> None:
+        for worker in self.live.values():
+            worker.signal(signal.SIGTERM)
+        for slot, worker in self.live.items():
+            self.exit_codes[slot] = await asyncio.to_thread(worker.wait, 30)
+
+    def kill_all(self) -> None:
+        for worker in self.workers:
+            worker.kill()
