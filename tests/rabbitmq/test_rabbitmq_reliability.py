@@ -32,7 +32,13 @@ from tests.support.database import balances, scalar
 from tests.support.processes import WorkerProcess
 from tests.support.rabbitmq import arabbitmqctl
 from tests.support.waiting import wait_for
-from worker.brokers.rabbitmq import DELIVERIES_HEADER, REASON_HEADER, RabbitMQSettings
+from worker.brokers.rabbitmq import (
+    DELIVERIES_HEADER,
+    REASON_HEADER,
+    RabbitMQAdmin,
+    RabbitMQSettings,
+    make_identity,
+)
 from worker.registry import Context
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.postgres]
@@ -201,3 +207,51 @@ def _inbox_count(database_url: str, expected: int) -> Any:
             return False
 
     return check
+
+
+async def test_listing_dead_letters_under_a_delivery_limit_policy_loses_none(
+    rabbit_settings: Any, pg: str, rabbitmq_vhost: str
+) -> None:
+    """The old quorum dead-letter queue counted every peek as a return: with a
+    ``delivery-limit`` policy (recommended as a backstop; RabbitMQ 4.x has a default) the
+    third listing deleted the dead letters. The classic queue counts nothing."""
+    rabbit: RabbitMQSettings = rabbit_settings()
+    name = f"{rabbit.queue}-limit"
+    definition = '{"delivery-limit": 2}'
+    await arabbitmqctl("set_policy", "-p", rabbitmq_vhost, name, f"^{rabbit.queue}", definition)
+    try:
+
+        async def poison(ctx: Context) -> None:
+            raise ValueError("no")
+
+        registry, _ = credit_registry(poison)
+        async with running(rabbit, pg, registry, max_deliveries=1) as pump:
+            await publish(rabbit, [credit("d1", "a", "1"), credit("d2", "a", "1")])
+            await wait_for(lambda: pump.stats["dead-letter"] == 2, 15, "two dead letters")
+        admin = RabbitMQAdmin(rabbit, make_identity(rabbit))
+        try:
+            listings = [await admin.dead_letters(10) for _ in range(5)]
+        finally:
+            await admin.close()
+        assert [[letter.message_id for letter in listing] for listing in listings] == [
+            ["d1", "d2"]
+        ] * 5  # all there, every time, in order
+    finally:
+        await arabbitmqctl("clear_policy", "-p", rabbitmq_vhost, name)
+
+
+async def test_a_dead_letter_reason_leaves_the_process_scrubbed(
+    rabbit_settings: Any, pg: str
+) -> None:
+    rabbit: RabbitMQSettings = rabbit_settings()
+
+    async def leaks(ctx: Context) -> None:
+        raise ValueError("cannot reach postgresql://ledger:S3cr3tPassw0rd@db.internal/ledger")
+
+    registry, _ = credit_registry(leaks)
+    async with running(rabbit, pg, registry, max_deliveries=1) as pump:
+        await publish(rabbit, [credit("leak", "a", "1")])
+        await wait_for(lambda: pump.stats["dead-letter"] == 1, 15, "the dead letter")
+    (letter,) = await take_dead_letters(rabbit)
+    reason = letter.headers[REASON_HEADER]
+    assert "S3cr3tPassw0rd" not in reason and "postgresql://ledger:***@db.internal" in reason
