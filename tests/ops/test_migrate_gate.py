@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import asyncpg
 import pytest
@@ -146,8 +147,30 @@ def test_wait_gives_up_after_its_timeout(database: str) -> None:
     assert time.monotonic() - started < 20
 
 
+def waiting(log: Path, database: str, *, locked: bool) -> bool:
+    """The migrator waits: for the schema (its log says so), or for the inbox's lock."""
+    if not locked:
+        return "waiting for the schema" in log.read_text()
+
+    async def blocked() -> bool:
+        connection = await asyncpg.connect(dsn(database))
+        try:
+            return bool(
+                await connection.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND query ILIKE 'ALTER TABLE inbox%'"
+                )
+            )
+        finally:
+            await connection.close()
+
+    return asyncio.run(blocked())
+
+
 @pytest.mark.parametrize("flags", [("--wait", "--timeout", "120"), ()])
-def test_sigterm_stops_migrate_as_pid_1_at_once(database: str, flags: tuple[str, ...]) -> None:
+def test_sigterm_stops_migrate_as_pid_1_at_once(
+    database: str, flags: tuple[str, ...], tmp_path: Path
+) -> None:
     """In a container without an init the process is PID 1: a default SIGTERM is dropped.
 
     ``()``: a plain ``worker migrate`` stuck behind another session's lock on the inbox.
@@ -163,17 +186,24 @@ def test_sigterm_stops_migrate_as_pid_1_at_once(database: str, flags: tuple[str,
 
         loop = asyncio.new_event_loop()
         holder = loop.run_until_complete(hold())
+    log = tmp_path / "migrate.log"
+    output = log.open("w")
     launcher = subprocess.Popen(
         as_pid_1(worker_cli("migrate", *flags)),
         env=cli_env(database),
         cwd=REPO,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stderr=output,
         text=True,
     )
     try:
         pid = namespace_init(launcher)
-        time.sleep(4)  # well inside the wait (or the lock wait and its retries)
+        # inside the wait (or behind the lock): its signal handler is in place by then
+        deadline = time.monotonic() + 60  # a loaded machine imports slowly
+        while not waiting(log, database, locked=not flags):
+            assert launcher.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "the migrator never started waiting"
+            time.sleep(0.1)
         assert launcher.poll() is None
         sent = time.monotonic()
         os.kill(pid, signal.SIGTERM)  # the worker process itself, by its PID
@@ -183,7 +213,8 @@ def test_sigterm_stops_migrate_as_pid_1_at_once(database: str, flags: tuple[str,
     finally:
         if launcher.poll() is None:
             launcher.kill()
-        launcher.communicate(timeout=10)
+        launcher.wait(10)
+        output.close()
         if holder is not None:
             loop.run_until_complete(holder.close())
             loop.close()
