@@ -46,8 +46,10 @@ LOG = get_logger(test="claims")
 def claim_settings(make_settings: Any, server: MailServer, **overrides: Any) -> Settings:
     values: dict[str, Any] = {
         "mail_api_url": server.url,
-        "claim_lease": 0.6,
-        "claim_call_timeout": 0.4,
+        # a local HTTP call takes milliseconds, but a loaded CI machine can stall one for
+        # far longer; a call cut by its timeout is a real (counted) failure in these tests
+        "claim_lease": 1.5,
+        "claim_call_timeout": 1.0,
         "purge_interval": 0,
         "max_deliveries": 6,
     }
@@ -258,9 +260,9 @@ async def test_a_server_failing_for_good_dead_letters_and_leaves_an_unfinished_c
 async def test_a_hanging_server_times_out_keeps_the_claim_and_is_called_again_after_the_lease(
     engine: AsyncEngine, make_settings: Any, run_pumps: Any, mail_server: MailServer
 ) -> None:
-    """The server answers the first call after 0.5 s: later than the 0.4 s call timeout,
-    within the 0.6 s lease. The second call comes only once the lease is over."""
-    mail_server.hang, mail_server.hang_for = 1, 0.5
+    """The server answers the first call after 1.2 s: later than the 1 s call timeout,
+    within the 1.5 s lease. The second call comes only once the lease is over."""
+    mail_server.hang, mail_server.hang_for = 1, 1.2
     broker = MemoryBroker()
     settings = claim_settings(make_settings, mail_server)
     async with run_pumps([broker.connect()], [engine], mail_registry(), settings) as [pump]:
