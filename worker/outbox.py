@@ -401,23 +401,25 @@ class Relay:
         """Lease up to ``batch`` rows to this relay, committed before anything is sent."""
         now = _now()
         lease = {"lease_until": now + timedelta(seconds=self.outbox.lease), "claimed_by": self.name}
+        if self.postgres:
+            # SKIP LOCKED: a row another relay is claiming right now is not waited for.
+            ids = self._claimable(now).with_for_update(skip_locked=True, of=_outbox)
+            statement = update(_outbox).where(_c.id == any_(func.array(ids.scalar_subquery())))
+        else:
+            # SQLite: a read of its own first (an idle relay takes no write lock, and a
+            # write transaction that began with a read fails when another writer got in
+            # between), then a conditional claim: SQLite runs one writer at a time, and
+            # the lease condition rechecks what the read saw, so no two relays lease a row.
+            async with self.engine.connect() as connection:
+                candidates = list((await connection.execute(self._claimable(now))).scalars())
+            if not candidates:
+                return []
+            statement = update(_outbox).where(
+                _c.id.in_(candidates),
+                _c.state == PENDING,
+                or_(_c.lease_until.is_(None), _c.lease_until < now),
+            )
         async with self.engine.begin() as connection:
-            if self.postgres:
-                # SKIP LOCKED: a row another relay is claiming right now is not waited for.
-                ids = self._claimable(now).with_for_update(skip_locked=True, of=_outbox)
-                statement = update(_outbox).where(_c.id == any_(func.array(ids.scalar_subquery())))
-            else:
-                # SQLite: a read first (no write lock while there is nothing to do), then a
-                # conditional claim; SQLite runs one writer at a time, so two relays
-                # never lease one row, and the lease condition rechecks what the read saw.
-                ids = list((await connection.execute(self._claimable(now))).scalars())
-                if not ids:
-                    return []
-                statement = update(_outbox).where(
-                    _c.id.in_(ids),
-                    _c.state == PENDING,
-                    or_(_c.lease_until.is_(None), _c.lease_until < now),
-                )
             rows = (await connection.execute(statement.values(**lease).returning(*_COLUMNS))).all()
         claimed = [
             Claimed(

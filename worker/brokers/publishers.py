@@ -212,7 +212,7 @@ class RabbitMQPublisher:
         except TimeoutError:
             raise BrokerUnavailable(f"rabbitmq: no confirms within {self.timeout}s") from None
         except (AMQPError, OSError, RuntimeError) as exc:  # connection or channel lost
-            self._channel = None
+            self._channel, self._exchanges = None, {}  # exchanges belong to their channel
             raise BrokerUnavailable(f"rabbitmq: {scrub(str(exc))}") from None
         for index, result in zip(sends, done, strict=True):
             results[index] = result
