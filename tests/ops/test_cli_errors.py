@@ -8,7 +8,9 @@ and no password appears anywhere in the output.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
+import logging
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -151,8 +153,16 @@ def test_servicebus_down(
         bus.fail(operation, times=5)
     monkeypatch.setenv("WORKER_BROKER", "servicebus")
     monkeypatch.setattr(cli, "open_admin", lambda _s: ServiceBusAdmin(sb_settings(), bus.client))
-    monkeypatch.setattr("sys.stdin", __import__("io").StringIO(PUBLISH_INPUT))
-    assert cli.main(command) == 1
+    monkeypatch.setattr("sys.stdin", io.StringIO(PUBLISH_INPUT))
+    # In process: keep this test's captured stderr out of the global log setup (later
+    # tests' pumps would write to it once closed), and give the root level back.
+    monkeypatch.setattr(cli.logs, "configure", lambda *_args: None)
+    root = logging.getLogger()
+    level = root.level
+    try:
+        assert cli.main(command) == 1
+    finally:
+        root.setLevel(level)
     out, err = capsys.readouterr()
     one_line(
         type("R", (), {"returncode": 1, "stdout": out, "stderr": err})(),
