@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import shutil
+import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
+from pydantic import BaseModel
 
 from tests.kafka.kafka_helpers import committed, produce
 from tests.support.waiting import wait_for
 from worker.brokers.kafka import KafkaBroker, KafkaSettings
+from worker.db import create_engine
 from worker.delivery import Delivery
 from worker.errors import SettlementLost
+from worker.pump import Pump
+from worker.registry import Context, Registry
 from worker.settings import Settings
 
 pytestmark = pytest.mark.kafka
@@ -82,3 +91,75 @@ async def test_a_hung_record_moves_its_partition_to_another_member(
 
 async def _committed_0(bootstrap: str, group: str, topic: str) -> bool:
     return (await committed(bootstrap, group, topic, 2))[0] == 3
+
+
+class Ping(BaseModel):
+    name: str
+
+
+async def test_a_handler_that_outlives_its_time_limit_loses_its_partition_to_another_pump(
+    new_topic: NewTopic,
+    kafka_settings: Callable[..., KafkaSettings],
+    bootstrap: str,
+    sqlite_template: Path,
+    tmp_path: Path,
+    make_settings: Callable[..., Any],
+) -> None:
+    """End to end with the pump's WORKER_HANDLER_TIMEOUT: a handler that swallows the
+    cancellation keeps running; the watchdog moves its partition to the other pump."""
+    topic = await new_topic(2)
+    calls: list[tuple[str, str]] = []  # (pump, message)
+    release = asyncio.Event()
+
+    def registry(name: str) -> Registry:
+        reg = Registry()
+
+        @reg.handler("Ping", Ping, consumer="ping", inbox=False)
+        async def ping(ctx: Context, message: Ping) -> None:
+            calls.append((name, message.name))
+            if message.name == "hang" and len(calls) == 1:
+                deadline = time.monotonic() + 30  # bounded: the test releases it sooner
+                while not release.is_set() and time.monotonic() < deadline:
+                    with contextlib.suppress(asyncio.CancelledError):  # the bug it survives
+                        await asyncio.sleep(0.05)
+
+        return reg
+
+    database = tmp_path / "worker.db"
+    shutil.copy(sqlite_template, database)
+    url = f"sqlite+aiosqlite:///{database}"
+    settings = make_settings(database_url=url, handler_timeout=0.5, retry_budget=0.1)
+    kafka = kafka_settings(topic, watchdog_margin=0.5, rebalance_grace=1.0)
+    engines = [create_engine(url), create_engine(url)]
+    brokers = {name: KafkaBroker(settings, kafka) for name in ("a", "b")}
+    pumps = {
+        name: Pump(broker, engine, registry(name), settings)
+        for (name, broker), engine in zip(brokers.items(), engines, strict=True)
+    }
+    runs = [asyncio.create_task(pump.run()) for pump in pumps.values()]
+    try:
+        await wait_for(
+            lambda: all(len(b.assignment) == 1 for b in brokers.values()), 20, "a partition each"
+        )
+        ping = [(None, b'{"name": "%s"}' % n, {"message-id": n.decode(), "type": "Ping"}, 0)
+                for n in (b"hang", b"after")]  # fmt: skip
+        await produce(bootstrap, topic, ping)
+        await wait_for(lambda: calls, 10, "the first call")
+        owner = calls[0][0]
+        other = "b" if owner == "a" else "a"
+        await wait_for(
+            lambda: {(other, "hang"), (other, "after")} <= set(calls), 20, "the other pump's calls"
+        )
+        assert not brokers[owner].ready and not pumps[owner].ready
+        assert not release.is_set()  # the first call is still running meanwhile
+        release.set()
+        await wait_for(lambda: brokers[owner].ready, 20, "the owner back in the group")
+    finally:
+        release.set()
+        for pump in pumps.values():
+            pump.stop()
+        await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), 60)
+        for engine in engines:
+            await engine.dispose()
+    assert pumps[owner].stats["settlement-lost"] == 1, pumps[owner].stats
+    assert calls.count((owner, "after")) == 0
