@@ -123,6 +123,8 @@ def test_settings_from_the_environment(env: pytest.MonkeyPatch) -> None:
         ({"WORKER_KAFKA_COMMIT_INTERVAL": "0"}, "WORKER_KAFKA_COMMIT_INTERVAL='0'"),
         ({"WORKER_KAFKA_SECURITY_PROTOCOL": "SASL_SSL"}, "WORKER_KAFKA_SASL_USERNAME and"),
         ({"WORKER_KAFKA_HEARTBEAT_INTERVAL_MS": "20000"}, "at most a third"),
+        ({"WORKER_KAFKA_ORDERING": "keys"}, "WORKER_KAFKA_ORDERING='keys'"),
+        ({"WORKER_KAFKA_MAX_REQUEST_SIZE": "10"}, "WORKER_KAFKA_MAX_REQUEST_SIZE='10'"),
         ({"WORKER_KAFKA_SSL_CERTFILE": "/c.pem"}, "CERTFILE and WORKER_KAFKA_SSL_KEYFILE"),
         (
             {"WORKER_KAFKA_SECURITY_PROTOCOL": "SSL", "WORKER_KAFKA_SSL_CAFILE": "/nope/ca.pem"},
@@ -153,4 +155,6 @@ def test_a_bad_value_never_shows_the_password(env: pytest.MonkeyPatch, tmp_path:
 def test_defaults_are_production_values() -> None:
     kafka = KafkaSettings(topics="t")
     assert kafka.session_timeout_ms == 45_000 and kafka.idempotent_producer
+    assert kafka.ordering == "partition" and kafka.max_request_size == 1024 * 1024
+    assert kafka.max_buffered_bytes == 8 * 1024 * 1024 and kafka.watchdog_margin == 30.0
     assert kafka.message_id_header == "message-id" and kafka.dead_letter_suffix == ".DLT"
