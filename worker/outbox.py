@@ -441,10 +441,10 @@ class Relay:
 
     async def run_once(self) -> BatchResult:
         """Claim, publish and settle one batch; ``claimed == 0``: nothing was due."""
+        started = time.perf_counter()  # the lease runs from the claim
         batch = await self.claim()
         if not batch:
             return BatchResult(0, 0, 0, 0)
-        started = time.perf_counter()
         try:
             results = await self.publisher.publish([c.message for c in batch])
         except BrokerUnavailable as exc:
@@ -454,15 +454,21 @@ class Relay:
             return BatchResult(len(batch), 0, 0, 0, unavailable=True)
         sent = [c.id for c, result in zip(batch, results, strict=True) if result is None]
         refused = [(c, r) for c, r in zip(batch, results, strict=True) if r is not None]
+        took = time.perf_counter() - started
+        if took > self.outbox.lease:  # another relay may have taken the rows over meanwhile
+            self._log.warning(
+                "outbox batch outlived its lease: its rows may go out twice",
+                rows=len(batch),
+                seconds=round(took, 2),
+                lease=self.outbox.lease,
+            )
         await self.mark_sent(sent)
         parked = await self._refused(refused) if refused else 0
         PUBLISHED.inc(len(sent))
         self.stats["published"] += len(sent)
         self.stats["refused"] += len(refused)
         self.stats["parked"] += parked
-        self._log.debug(
-            "outbox batch", sent=len(sent), refused=len(refused), s=time.perf_counter() - started
-        )
+        self._log.debug("outbox batch", sent=len(sent), refused=len(refused), s=took)
         return BatchResult(len(batch), len(sent), len(refused), parked)
 
     async def mark_sent(self, ids: Sequence[int]) -> None:
