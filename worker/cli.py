@@ -38,6 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="worker",
         description="An idempotent message consumer, and the tools to operate it.",
         epilog="Settings come from WORKER_* environment variables; see README.md.",
+        formatter_class=_OneLinePerCommand,
     )
     commands = parser.add_subparsers(
         dest="command", required=True, title="commands", metavar="COMMAND"
@@ -203,6 +204,25 @@ examples:
   worker dlq --type CreditRequested --reason "invalid body" --since 2h
   worker dlq --reason "account service" --resubmit --dry-run
 """
+
+
+class _OneLinePerCommand(argparse.HelpFormatter):
+    """Wide enough that no command's description wraps onto a second line.
+
+    argparse measures the command names one indent short of where it prints them,
+    so a long name (purge-inbox) would push its description to the next line.
+    """
+
+    def __init__(self, prog: str) -> None:
+        width = max(100, shutil.get_terminal_size((100, 24)).columns)
+        super().__init__(prog, max_help_position=24, width=width)
+
+    def add_argument(self, action: argparse.Action) -> None:
+        super().add_argument(action)
+        if isinstance(action, argparse._SubParsersAction):
+            names = [len(choice) for choice in action.choices]
+            longest = max(names, default=0) + self._current_indent + 2 * self._indent_increment
+            self._action_max_length = max(self._action_max_length, longest)
 
 
 def _dlq_arguments(dlq: argparse.ArgumentParser) -> None:

@@ -178,14 +178,16 @@ def test_a_missing_publish_file_is_one_line(tmp_path: Path) -> None:
 
 
 def test_help_lists_every_command_in_plain_text() -> None:
-    result = run_cli(clean_env(), "--help")
+    result = run_cli({**clean_env(), "COLUMNS": "80"}, "--help")
     assert result.returncode == 0
     assert "``" not in result.stdout
+    described = {
+        line.split()[0]: " ".join(line.split()[1:])
+        for line in result.stdout.split("commands:")[1].splitlines()
+        if line.startswith("    ") and not line.startswith("     ")
+    }
     for command in ("run", "migrate", "demo", "publish", "dlq", "sweep", "purge-inbox"):
-        described = [
-            line for line in result.stdout.splitlines() if line.strip().startswith(command)
-        ]
-        assert described, f"{command} missing from --help"
+        assert described.get(command), f"{command}: no one-line description in --help"
     dlq = run_cli(clean_env(), "dlq", "--help")
     for option in ("--group-by", "--type", "--reason", "--since", "--id", "--dry-run", "--json"):
         assert option in dlq.stdout
