@@ -400,6 +400,8 @@ class InboxMonitor:
             await asyncio.sleep(self.interval)
 
     async def stop(self) -> None:
+        """Stop reading; the last reading is no longer exported (it would only grow stale)."""
+        self.latest = None
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)

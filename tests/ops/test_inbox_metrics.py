@@ -112,9 +112,10 @@ async def test_the_monitor_exports_its_last_reading(database_url: str) -> None:
         async with asyncio.timeout(10):
             while monitor.polls["ok"] < 2:  # noqa: ASYNC110 - the monitor's own loop ran twice
                 await asyncio.sleep(0.02)
+        found = _samples(registry)
     finally:
         await monitor.stop()
-    found = _samples(registry)
+    assert ("worker_inbox_markers", ()) not in _samples(registry)  # stopped: nothing stale
     assert found["worker_inbox_markers", ()] == 6
     assert found["worker_inbox_claims_unfinished", ()] == 2
     assert found["worker_inbox_leases_expired", ()] == 1
@@ -175,3 +176,39 @@ async def test_duplicates_by_path_and_dead_letters_by_reason(run_pump: RunPump) 
     dead = "worker_dead_letters_total"
     assert found[dead, (("consumer", "audit"), ("reason", "poison"))] == 1
     assert found[dead, (("consumer", "audit"), ("reason", "exhausted"))] == 1
+
+
+async def test_the_ops_endpoint_serves_the_inbox_reading(database_url: str) -> None:
+    """``worker run`` starts the monitor with the endpoint; a scrape reads its snapshot."""
+    import aiohttp
+
+    from tests.support.processes import free_port
+    from worker.ops import start_ops
+    from worker.settings import Settings
+
+    await _fill(database_url)
+
+    class Target:
+        ready = True
+
+    settings = Settings(database_url=database_url, ops_port=free_port(), ops_host="127.0.0.1")
+    server = await start_ops(settings, Target())
+    assert server is not None and server.monitor is not None
+    try:
+        async with asyncio.timeout(10):
+            while server.monitor.polls["ok"] < 1:  # noqa: ASYNC110 - its first reading
+                await asyncio.sleep(0.02)
+        timeout = aiohttp.ClientTimeout(total=5)
+        url = f"http://127.0.0.1:{server.port}/metrics"
+        async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url) as response:
+            text = await response.text()
+    finally:
+        await server.stop()
+    assert server.monitor._task is None  # stopped with the endpoint
+    found = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    assert found["worker_inbox_markers", ()] == 6
+    assert found["worker_inbox_leases_expired", ()] == 1
