@@ -40,7 +40,8 @@ ENV PATH=/opt/worker/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     WORKER_OPS_PORT=8080 \
-    WORKER_LOG_FORMAT=json
+    WORKER_LOG_FORMAT=json \
+    TINI_SUBREAPER=1
 WORKDIR /tmp
 USER 10001:10001
 EXPOSE 8080
@@ -50,6 +51,7 @@ HEALTHCHECK --interval=15s --timeout=3s --start-period=20s --retries=3 \
 # tini is PID 1: it forwards SIGTERM to the worker and reaps zombies. Python as PID 1
 # would get no signal it has no handler for (the kernel drops them), so a SIGTERM in
 # its first moments would wait for the kubelet's SIGKILL. (`docker run --init` and
-# compose's `init: true` add an init too; tini then runs under it, harmlessly.)
+# compose's `init: true` add an init too; tini then runs under it as a subreaper,
+# TINI_SUBREAPER, and still reaps the worker's children.)
 ENTRYPOINT ["/usr/bin/tini", "--", "worker"]
 CMD ["run"]
