@@ -151,3 +151,24 @@ async def test_a_handler_without_inbox_publishes_once_however_often_it_runs(
         await broker.wait_idle(timeout=10)
     assert runs["u-1"] == 3
     assert [r.message_id for r in await outbox_rows(engine)] == [outgoing_id("u-1", "upsert", 0)]
+
+
+async def test_the_consuming_span_is_the_parent_of_the_event(engine: AsyncEngine) -> None:
+    """With tracing on, ``traceparent`` names the consuming span, not the incoming one."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from tests.outbox.outbox_helpers import publish_rows
+
+    tracer = TracerProvider().get_tracer("outbox-test")  # not installed globally
+    with tracer.start_as_current_span("consume") as span:
+        await publish_rows(engine, "t-1", [("Traced", {}, None, None)], headers={
+            "traceparent": TRACEPARENT
+        })  # fmt: skip
+    headers = json.loads((await outbox_rows(engine))[0].headers)
+    context = span.get_span_context()
+    version, trace_id, parent_id, _flags = headers["traceparent"].split("-")
+    assert (version, trace_id, parent_id) == (
+        "00",
+        f"{context.trace_id:032x}",
+        f"{context.span_id:016x}",
+    )
