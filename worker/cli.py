@@ -310,7 +310,8 @@ async def _dlq(
     try:
         if resubmit and not dry_run:
             moved = await admin.resubmit(limit, match, scan=scan)
-            print(f"re-submitted {moved} {selected}dead letters", file=sys.stderr)
+            more = f" (--limit {limit} reached: run again for more)" if moved >= limit else ""
+            print(f"re-submitted {moved} {selected}dead letters{more}", file=sys.stderr)
             return 0
         # a group counts every match the scan finds; a listing shows the first ``limit``
         letters = await admin.dead_letters(scan if group_by else limit, match, scan=scan)
