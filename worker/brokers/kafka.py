@@ -971,11 +971,14 @@ class KafkaBroker:
             await asyncio.sleep(step)
             now = time.monotonic()
             overdue = [h for h, due in self._out.items() if due <= now]
-            if self._left:
-                if not overdue and not self._stopping:
-                    self._rejoin()
-            elif any(h.partition.owned for h in overdue):
-                await self._leave([h for h in overdue if h.partition.owned])
+            try:
+                if self._left:
+                    if not overdue and not self._stopping:
+                        self._rejoin()
+                elif any(h.partition.owned for h in overdue):
+                    await self._leave([h for h in overdue if h.partition.owned])
+            except Exception as exc:  # aiokafka refused: try again next round, never go quiet
+                self._log.error("kafka watchdog step failed", error=exc, left=self._left)
 
     async def _leave(self, overdue: list[_Handle]) -> None:
         self._left = True
@@ -990,8 +993,12 @@ class KafkaBroker:
                 limit=self._overdue_after,
             )
         hung = {handle.partition.tp for handle in overdue}
-        await self._revoke(list(self._partitions), hung=hung)
-        self._consumer.unsubscribe()  # sends LeaveGroup; no rebalance callback follows
+        try:
+            await self._revoke(list(self._partitions), hung=hung)
+            self._consumer.unsubscribe()  # sends LeaveGroup; no rebalance callback follows
+        except Exception:
+            self._left = False  # still in the group: the next round tries again
+            raise
         for partition in self._partitions.values():  # assigned while _revoke waited
             self._disown(partition)
         self._partitions.clear()
