@@ -189,3 +189,57 @@ async def test_a_30_second_rabbitmq_outage_spends_no_attempt_and_the_backlog_dra
         await proxy.cut()
     assert backlog_seen[-1] == 30 and backlog_seen == sorted(backlog_seen)
     assert relay.stats["parked"] == 0
+
+
+class ForgetsOnce(Relay):
+    """Confirmed by the broker, then 'dies' before its first mark: the lease has to run out."""
+
+    forgot = False
+
+    async def mark_sent(self, ids: Any) -> None:
+        if not self.forgot:
+            self.forgot = True
+            return
+        await super().mark_sent(ids)
+
+
+@pytest.mark.kafka
+async def test_kafka_copies_of_a_republished_row_are_applied_once_downstream(
+    engine: AsyncEngine, tansu: Tansu, make_settings: Any, run_pumps: Any
+) -> None:
+    from decimal import Decimal
+
+    from sqlalchemy import select
+
+    from handlers.credit import Account
+    from tests.rabbitmq.rabbit_helpers import credit_registry
+    from tests.support.waiting import wait_for
+    from worker.brokers.kafka import KafkaBroker
+
+    topic = unique("credits")
+    await create_topic(tansu.bootstrap, topic, 2)
+    kafka = settings_for(tansu.bootstrap, topic)
+    outbox.configure(fast_outbox(destination=topic))
+    body = {"account_id": "k-acct", "amount": "1"}
+    for n in range(10):
+        await publish_rows(engine, f"order-{n}", [("CreditRequested", body, "k-acct", None)])
+    publisher = KafkaPublisher(kafka, timeout=10.0)
+    relay = ForgetsOnce(engine, publisher, fast_outbox(lease=1.0, publish_timeout=0.5))
+    try:
+        assert (await relay.run_once()).sent == 10  # confirmed, never marked
+        await asyncio.sleep(1.1)
+        assert await relay.drain() == 10  # the lease ran out: the same ids again
+    finally:
+        await publisher.close()
+    registry, _ = credit_registry()
+    settings = make_settings(concurrency=2)
+    async with run_pumps([KafkaBroker(settings, kafka)], [engine], registry, settings) as pumps:
+        await wait_for(
+            lambda: pumps[0].stats["committed"] + pumps[0].stats["duplicate"] >= 20,
+            60,
+            "both copies of every credit",
+        )
+    assert (pumps[0].stats["committed"], pumps[0].stats["duplicate"]) == (10, 10)
+    async with engine.connect() as connection:
+        balance = await connection.scalar(select(Account.balance).where(Account.id == "k-acct"))
+    assert balance == Decimal(10)
