@@ -107,7 +107,7 @@ _NOT_NOW = frozenset({Failure.CONNECTION, Failure.SCHEMA, Failure.LOCKED})
 
 def _margin(lease: float) -> float:
     """How long before its lease ends a call is cut: room for the loop's lag and the cut itself."""
-    return min(1.0, lease * 0.05)
+    return min(1.0, lease * 0.1)
 
 
 class ClaimContext(Context):

@@ -400,7 +400,7 @@ async def test_a_call_that_timed_out_on_the_last_delivery_is_abandoned_with_its_
     re-submitted dead letter waits for the lease before it calls again."""
     calls: Counter[str] = Counter()
     _, handler = pay_registry(calls, hang)
-    settings = make_settings(claim_lease=1.0, claim_call_timeout=0.1, max_deliveries=2)
+    settings = make_settings(claim_lease=2.0, claim_call_timeout=0.1, max_deliveries=2)
     sessions = session_factory(engine)
     with pytest.raises(TimeoutError, match="WORKER_CLAIM_CALL_TIMEOUT"):
         await deliver(sessions, handler, settings, FakeDelivery(2))
@@ -408,10 +408,10 @@ async def test_a_call_that_timed_out_on_the_last_delivery_is_abandoned_with_its_
     assert (row.state, row.attempts) == ("abandoned", 1)
     assert row.lease_until is not None and row.processed_at is not None
     assert row.outcome.startswith("unknown: TimeoutError")
-    resubmitted = await claims.acquire(sessions, "m1", "pay", lease=1.0)
+    resubmitted = await claims.acquire(sessions, "m1", "pay", lease=2.0)
     assert isinstance(resubmitted, claims.Held) and resubmitted.remaining > 0.5
     await asyncio.sleep(resubmitted.remaining + 0.1)
-    later = await claims.acquire(sessions, "m1", "pay", lease=1.0)
+    later = await claims.acquire(sessions, "m1", "pay", lease=2.0)
     assert isinstance(later, claims.Claim) and later.attempts == 2
     assert await claims.stale_claims(sessions) == []  # abandoned: never the sweeper's
 
@@ -701,7 +701,7 @@ async def test_a_call_whose_writes_the_database_refuses_abandons_its_claim(
 
         calls: Counter[str] = Counter()
         registry, handler = pay_registry(calls, record)
-        settings = make_settings(claim_lease=0.3, claim_call_timeout=0.2, max_deliveries=5)
+        settings = make_settings(claim_lease=1.5, claim_call_timeout=1.2, max_deliveries=5)
         sessions = session_factory(engine)
         raised = []
         for kind in ("sent-at-once", "flushed-at-finish"):
@@ -709,7 +709,7 @@ async def test_a_call_whose_writes_the_database_refuses_abandons_its_claim(
                 await deliver(sessions, handler, settings, FakeDelivery(1, message_id=kind))
             raised.append(error.value)
         rows = await inbox_rows(engine)
-        await asyncio.sleep(0.4)  # long past the lease the claims had
+        await asyncio.sleep(1.6)  # past the lease the claims had
         swept = await claims.redrive(sessions, registry, settings, LOG)
     finally:
         await engine.dispose()
