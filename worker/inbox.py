@@ -79,6 +79,7 @@ _MARK = insert(_table).values(message_id=bindparam("m"), consumer=bindparam("c")
 _EXISTS = (
     select(literal(1))
     .where(_table.c.message_id == bindparam("m"), _table.c.consumer == bindparam("c"))
+    .where(_table.c.state == "finished")  # a claimed or abandoned side effect is not done
     .limit(1)
 )
 

@@ -604,8 +604,9 @@ class Pump:
                 verdict if verdict is not None else self._failed(delivery, handler.consumer, 1, exc)
             )
         self._note(delivery, handler.consumer, 1, result.outcome, reason=result.reason)
-        counted = getattr(result, "counted", True)
-        return _Verdict(result.verb, result.outcome, result.reason, result.delay, counted=counted)
+        return _Verdict(
+            result.verb, result.outcome, result.reason, result.delay, counted=result.counted
+        )
 
     async def _rejected(
         self, delivery: Delivery, handler: Handler[Any], attempt: int, exc: Rejected
@@ -711,6 +712,7 @@ class Pump:
             return
         self.stats[verb] += 1
         if verb == DEAD_LETTER:
+            self.stats[f"dead-letter-{verdict.outcome}"] += 1
             self._log.warning(
                 "dead-lettered",
                 message_id=delivery.message_id,
