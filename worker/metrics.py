@@ -226,7 +226,7 @@ def _classified(pumps: list[Pump], stats: dict[str, int]) -> Iterator[Metric]:
         duplicates.add_metric([path], stats.get(name, 0))
     dead_letters = CounterMetricFamily(
         "worker_dead_letters",
-        "Deliveries dead-lettered, per consumer, by reason class (poison, exhausted).",
+        "Deliveries dead-lettered, per consumer (empty: before any handler ran), by reason class.",
         labels=["consumer", "reason"],
     )
     for (consumer, reason), count in sorted(_by_reason(pumps, DEAD_LETTER_REASONS).items()):

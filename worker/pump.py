@@ -259,14 +259,14 @@ class Pump:
 
     async def _handle(self, delivery: Delivery) -> None:
         if delivery.message_id is None:
-            return await self._settle(delivery, _Verdict(DEAD_LETTER, "poison", "no message id"))
+            return await self._refuse(delivery, _Verdict(DEAD_LETTER, "poison", "no message id"))
         if len(delivery.message_id) > inbox.MESSAGE_ID_LENGTH:
             reason = f"message id longer than {inbox.MESSAGE_ID_LENGTH} characters"
-            return await self._settle(delivery, _Verdict(DEAD_LETTER, "poison", reason))
+            return await self._refuse(delivery, _Verdict(DEAD_LETTER, "poison", reason))
         handlers = self.registry.for_type(delivery.type)
         if not handlers:
             reason = f"no handler for message type {delivery.type!r}"
-            return await self._settle(delivery, _Verdict(DEAD_LETTER, "poison", reason))
+            return await self._refuse(delivery, _Verdict(DEAD_LETTER, "poison", reason))
         decoded: _Decoded = {}
         key: Hashable = None
         for handler in handlers:
@@ -278,13 +278,13 @@ class Pump:
                     )
                 except ValidationError as exc:
                     reason = f"invalid body for {delivery.type}: {_first_error(exc)}"
-                    return await self._settle(delivery, _Verdict(DEAD_LETTER, "poison", reason))
+                    return await self._refuse(delivery, _Verdict(DEAD_LETTER, "poison", reason))
             if key is None and handler.key is not None:
                 try:
                     key = handler.key(message)
                 except Exception as exc:
                     reason = f"{handler.consumer}: key function failed: {type(exc).__name__}: {exc}"
-                    return await self._settle(delivery, _Verdict(DEAD_LETTER, "poison", reason))
+                    return await self._refuse(delivery, _Verdict(DEAD_LETTER, "poison", reason))
         if key is None:
             return await self._process(delivery, handlers, decoded)
         lane = self._lanes.get(key)
@@ -294,6 +294,11 @@ class Pump:
             return None
         await self._run_lane(key, delivery, handlers, decoded)
         return None
+
+    async def _refuse(self, delivery: Delivery, verdict: _Verdict) -> None:
+        """Dead-letter before any handler ran (counted under no consumer, for the metrics)."""
+        self.outcomes["", verdict.outcome] += 1
+        await self._settle(delivery, verdict)
 
     async def _run_lane(
         self,
@@ -322,7 +327,10 @@ class Pump:
     ) -> None:
         """Run the type's handlers in order (each its own transaction), then settle once."""
         if delivery.delivery_count > self.settings.max_deliveries:
-            return await self._settle(delivery, await self._over_limit(delivery, handlers))
+            verdict = await self._over_limit(delivery, handlers)
+            if verdict.verb == DEAD_LETTER:
+                return await self._refuse(delivery, verdict)
+            return await self._settle(delivery, verdict)
         verdict = _COMMITTED
         for handler in handlers:
             verdict = await self._consume_observed(delivery, handler, decoded[handler.model])
