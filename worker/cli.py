@@ -30,7 +30,7 @@ from worker.brokers import (
     open_admin,
 )
 from worker.errors import BrokerUnavailable, ConfigurationError
-from worker.settings import Settings, load
+from worker.settings import Settings, check_environment, load
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -83,8 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     try:
-        settings = load(Settings)
+        settings = load(Settings, check=False)
         logs.configure(settings.log_level, settings.log_format)
+        check_environment(Settings)
         if args.command == "run":
             return asyncio.run(_serve(settings))
         if args.command == "migrate":
