@@ -564,6 +564,9 @@ async def _run(settings: Settings, signals: _Signals | None = None) -> int:
                 "database unreachable at start", database=redact(settings.database_url), error=exc
             )
             return 1
+        from worker.concurrency import prepare_models
+
+        prepare_models(engine.dialect.name)  # an unusable version token stops us before any work
         pump = Pump(broker, engine, registry, settings, name="worker")
         relay = outbox.start(settings, engine, broker)  # beside the pump, never in its way
         ops = await start_ops(settings, pump)
