@@ -81,6 +81,7 @@ from worker.inbox import InboxMarker
 from worker.logs import get_logger, scrub
 from worker.registry import Context, Handler, HandlerFunc, Registry, registry
 from worker.retry import backoff
+from worker.verdict import Outcome, Verb, Verdict, last_delivery
 
 if TYPE_CHECKING:
     from worker.delivery import Delivery
@@ -89,7 +90,6 @@ if TYPE_CHECKING:
 M = TypeVar("M", bound=BaseModel)
 
 CLAIMED, FINISHED, ABANDONED = "claimed", "finished", "abandoned"
-ACK, NACK, DEAD_LETTER = "ack", "nack", "dead-letter"
 
 _inbox = cast(Table, InboxMarker.__table__)
 _OWNER_PREFIX = f"{socket.gethostname()}:{os.getpid()}"[:110]
@@ -182,20 +182,6 @@ class Held:
     """Someone else's live claim, and how long its lease still runs."""
 
     remaining: float
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """How a side-effect handler's turn ended, for the pump to settle."""
-
-    verb: str
-    outcome: str
-    reason: str | None = None
-    delay: float | None = None
-    # False: the message is not to blame (someone else's live claim, contention on the
-    # claim or on the call's writes, a lease spent before the call): the pump nacks with
-    # counted=False, which keeps the delivery count where it is
-    counted: bool = True
 
 
 # -- phase 1: claim ------------------------------------------------------------------
@@ -349,8 +335,8 @@ async def process(
     delivery: Delivery,
     settings: Settings,
     log: Any,
-) -> Outcome:
-    """One delivery of a side-effect message: claim, call, mark; the pump settles the Outcome."""
+) -> Verdict:
+    """One delivery of a side-effect message: claim, call, mark; the pump settles its Verdict."""
     message_id = delivery.message_id
     assert message_id is not None
     try:
@@ -369,15 +355,15 @@ async def process(
         # A deadlock or a busy SQLite file on the claim: contention, not the message's fault.
         delay = backoff(delivery.delivery_count, settings.retry_backoff, settings.retry_backoff_max)
         reason = scrub(f"claim contended ({failure.value}): {type(exc).__name__}: {exc}")
-        return Outcome(NACK, "claim-contended", reason, delay, counted=False)
+        return Verdict(Verb.NACK, Outcome.CLAIM_CONTENDED, reason, delay, counted=False)
     if got is None:
-        return Outcome(ACK, "duplicate")
+        return Verdict(Verb.ACK, Outcome.DUPLICATE)
     if isinstance(got, Held):
         # Come back when the lease has run out: finished by then, or ours to take over.
         # Waiting for someone else's lease is not this message's failure: not counted.
         delay = min(settings.claim_lease, got.remaining + 0.05)
         reason = f"claimed elsewhere, lease ends in {got.remaining:.1f}s"
-        return Outcome(NACK, "claim-held", reason, delay, counted=False)
+        return Verdict(Verb.NACK, Outcome.CLAIM_HELD, reason, delay, counted=False)
     if got.taken_over:
         log.warning(
             "expired claim taken over",
@@ -410,7 +396,7 @@ async def run(
     message_id: str,
     delivery_count: int,
     headers: Mapping[str, Any],
-) -> Outcome:
+) -> Verdict:
     """Call the handler under the claim, then mark it finished; release it if the call failed.
 
     The call is cut at ``WORKER_CLAIM_CALL_TIMEOUT`` or shortly before the claim's
@@ -427,7 +413,9 @@ async def run(
         spent = TimeoutError("the lease ran out while the claim was being committed")
         await _release(sessions, claim, spent, log, abandon=False, prefix="not called", who=who)
         delay = backoff(claim.attempts, settings.retry_backoff, settings.retry_backoff_max)
-        return Outcome(NACK, "lease-spent", f"{handler.consumer}: {spent}", delay, counted=False)
+        return Verdict(
+            Verb.NACK, Outcome.LEASE_SPENT, f"{handler.consumer}: {spent}", delay, counted=False
+        )
     session = sessions()
     context = ClaimContext(
         session, message_id, handler.consumer, delivery_count, claim.attempts, headers
@@ -436,7 +424,7 @@ async def run(
     context.settings = settings
     context.call_deadline = time.monotonic() + budget
     func = cast(ClaimFunc[Any], handler.func)
-    last = delivery_count >= settings.max_deliveries  # the sweeper passes 0
+    last = last_delivery(delivery_count, settings.max_deliveries)  # the sweeper passes 0
     cut = asyncio.timeout(budget)
     try:
         try:
@@ -462,9 +450,11 @@ async def run(
             abandon = poison or (last and not isinstance(exc, Retry))
             await _release(sessions, claim, exc, log, abandon=abandon, who=who)
             if isinstance(exc, Poison):
-                return Outcome(DEAD_LETTER, "poison", scrub(f"{handler.consumer}: {exc}"))
+                return Verdict(
+                    Verb.DEAD_LETTER, Outcome.POISON, scrub(f"{handler.consumer}: {exc}")
+                )
             if isinstance(exc, Retry):
-                return Outcome(NACK, "retry-requested", scrub(str(exc)), exc.delay)
+                return Verdict(Verb.NACK, Outcome.RETRY_REQUESTED, scrub(str(exc)), exc.delay)
             raise
         try:
             finished = await _finish(session, claim, result or "ok")
@@ -497,8 +487,8 @@ async def run(
             outcome="duplicate",
             reason=reason,
         )
-        return Outcome(ACK, "duplicate", reason)
-    return Outcome(ACK, "committed")
+        return Verdict(Verb.ACK, Outcome.DUPLICATE, reason)
+    return Verdict(Verb.ACK, Outcome.COMMITTED)
 
 
 async def _lost_to_contention(
@@ -509,7 +499,7 @@ async def _lost_to_contention(
     settings: Settings,
     log: Any,
     who: Mapping[str, str],
-) -> Outcome:
+) -> Verdict:
     """The call succeeded but its writes lost to another writer (a version conflict, a
     deadlock, a busy SQLite file), so nothing was recorded: try again, uncounted.
 
@@ -522,7 +512,7 @@ async def _lost_to_contention(
     delay = backoff(claim.attempts, settings.retry_backoff, settings.retry_backoff_max)
     reason = scrub(f"{who['consumer']}: the call's writes met a {failure.value}: {error}")
     counted = claim.attempts >= settings.max_deliveries
-    return Outcome(NACK, "finish-contended", reason, delay, counted=counted)
+    return Verdict(Verb.NACK, Outcome.FINISH_CONTENDED, reason, delay, counted=counted)
 
 
 async def _timed_out(
@@ -533,7 +523,7 @@ async def _timed_out(
     log: Any,
     last: bool,
     who: Mapping[str, str],
-) -> Outcome:
+) -> Verdict:
     """A cut call: the provider may still be working on it, so the lease stays.
 
     Releasing it would let the redelivery take over and call again with the same
@@ -550,7 +540,7 @@ async def _timed_out(
     remaining = await _keep(sessions, claim, error, log)
     delay = min(settings.claim_lease, remaining + 0.05)
     reason = scrub(f"{error}; outcome unknown, lease kept ({remaining:.1f}s left)")
-    return Outcome(NACK, "call-timeout", reason, delay)
+    return Verdict(Verb.NACK, Outcome.CALL_TIMEOUT, reason, delay)
 
 
 async def _keep(

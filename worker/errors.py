@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from worker.verdict import Outcome
+
 
 class WorkerError(Exception):
     """Base class for every error this package raises on purpose."""
@@ -62,7 +64,7 @@ class Rejected(WorkerError):
     field. Retrying would either fail forever or apply the change over newer data.
     """
 
-    outcome = "rejected"
+    outcome = Outcome.REJECTED
 
     def __init__(
         self,
@@ -83,19 +85,19 @@ class Rejected(WorkerError):
 class PreconditionFailed(Rejected):
     """The sender's ``expected_version`` is not the row's version (HTTP 412, as a message)."""
 
-    outcome = "precondition-failed"
+    outcome = Outcome.PRECONDITION_FAILED
 
 
 class RowDeleted(Rejected):
     """A version-token conflict on a row that no longer exists: not a change to retry."""
 
-    outcome = "deleted"
+    outcome = Outcome.DELETED
 
 
 class MergeConflict(Rejected):
     """A merge found a field that both this handler and another writer changed, differently."""
 
-    outcome = "merge-conflict"
+    outcome = Outcome.MERGE_CONFLICT
 
     def __init__(
         self, message: str, *, fields: tuple[str, ...], subject: str | None = None

@@ -34,37 +34,28 @@ from prometheus_client.registry import Collector
 
 from worker.concurrency import stats as concurrency_stats
 from worker.logs import get_logger
+from worker.verdict import Outcome, Verb
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
     from worker.pump import Pump
 
-# A handler outcome (the pump's verdict for one consumer) -> the ``outcome`` label.
-# Outcomes not listed here (a newer pump's) are exported under their own name.
-OUTCOME_LABELS = {
-    "committed": "committed",
-    "duplicate": "duplicate",
-    "poison": "dead-lettered",
-    "exhausted": "dead-lettered",
-    "failed": "nacked",
-    "attempts-exhausted": "nacked",
-    "paused": "nacked",
-    "retry-requested": "nacked",
-    "nacked": "nacked",
-}
-SETTLEMENTS = ("ack", "nack", "dead-letter", "settlement-lost")
+# A handler outcome (the pump's verdict for one consumer) -> the ``outcome`` label,
+# from the one vocabulary (worker/verdict.py); an unknown outcome keeps its own name.
+OUTCOME_LABELS = {outcome.value: outcome.settlement for outcome in Outcome}
+SETTLEMENTS = (*(verb.value for verb in Verb), "settlement-lost")
 _RETRIED = "retried-"
 # pump.stats keys -> the ``path`` label of worker_duplicates
 DUPLICATE_PATHS = {"duplicates-fast-path": "fast-path", "duplicates-constraint": "constraint"}
 # Outcomes that dead-letter, and outcomes that are recorded and acked (Rejected):
 # the ``reason`` label of worker_dead_letters / worker_rejections.
-DEAD_LETTER_REASONS = {"poison": "poison", "exhausted": "exhausted"}
+DEAD_LETTER_REASONS = {Outcome.POISON.value: "poison", Outcome.EXHAUSTED.value: "exhausted"}
 REJECTION_REASONS = {
-    "precondition-failed": "precondition",
-    "deleted": "deleted",
-    "merge-conflict": "merge-conflict",
-    "rejected": "rejected",
+    Outcome.PRECONDITION_FAILED.value: "precondition",
+    Outcome.DELETED.value: "deleted",
+    Outcome.MERGE_CONFLICT.value: "merge-conflict",
+    Outcome.REJECTED.value: "rejected",
 }
 
 HANDLER_SECONDS = Histogram(

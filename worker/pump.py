@@ -62,41 +62,19 @@ from worker.logs import get_logger
 from worker.registry import Context, Handler, Registry
 from worker.retry import backoff
 from worker.settings import Settings
+from worker.verdict import COMMITTED, DUPLICATE, Outcome, Verb, Verdict, failure
 
 if TYPE_CHECKING:
     from worker.tracing import Tracing
 
-ACK, NACK, DEAD_LETTER = "ack", "nack", "dead-letter"
-
 _GIVE_BACK_DELAY = 1.0
 """Seconds before an uncounted give-back (pause, contention, shutdown) comes back."""
 
-
-class _Verdict:
-    """How one handler's work on a delivery ended."""
-
-    __slots__ = ("counted", "delay", "outcome", "reason", "verb")
-
-    def __init__(
-        self,
-        verb: str,
-        outcome: str,
-        reason: str | None = None,
-        delay: float | None = None,
-        *,
-        counted: bool = True,
-    ) -> None:
-        self.verb = verb
-        self.outcome = outcome
-        self.reason = reason
-        self.delay = delay
-        self.counted = counted
-
-
-_COMMITTED = _Verdict(ACK, "committed")
-_DUPLICATE = _Verdict(ACK, "duplicate")
-_PAUSED = _Verdict(NACK, "paused", "database unavailable", _GIVE_BACK_DELAY, counted=False)
-_STOPPING = _Verdict(NACK, "shutdown", "the worker is stopping", 0.0, counted=False)
+_PAUSED = Verdict(
+    Verb.NACK, Outcome.PAUSED, "database unavailable", _GIVE_BACK_DELAY, counted=False
+)
+_STOPPING = Verdict(Verb.NACK, Outcome.SHUTDOWN, "the worker is stopping", 0.0, counted=False)
+_UNEXPECTED = Verdict(Verb.NACK, Outcome.NACKED, "unexpected error")
 
 _Decoded = dict[type[BaseModel], BaseModel]
 
@@ -249,7 +227,7 @@ class Pump:
         except Exception:  # the pump must outlive any bug in a handler or adapter
             self._log.exception("unexpected error", message_id=delivery.message_id)
             if delivery.settled is None:
-                await self._settle_guarded(delivery, _Verdict(NACK, "nacked", "unexpected error"))
+                await self._settle_guarded(delivery, _UNEXPECTED)
         finally:
             self.in_flight -= 1
             if delivery.settled is not None:
@@ -259,14 +237,16 @@ class Pump:
 
     async def _handle(self, delivery: Delivery) -> None:
         if delivery.message_id is None:
-            return await self._refuse(delivery, _Verdict(DEAD_LETTER, "poison", "no message id"))
+            return await self._refuse(
+                delivery, Verdict(Verb.DEAD_LETTER, Outcome.POISON, "no message id")
+            )
         if len(delivery.message_id) > inbox.MESSAGE_ID_LENGTH:
             reason = f"message id longer than {inbox.MESSAGE_ID_LENGTH} characters"
-            return await self._refuse(delivery, _Verdict(DEAD_LETTER, "poison", reason))
+            return await self._refuse(delivery, Verdict(Verb.DEAD_LETTER, Outcome.POISON, reason))
         handlers = self.registry.for_type(delivery.type)
         if not handlers:
             reason = f"no handler for message type {delivery.type!r}"
-            return await self._refuse(delivery, _Verdict(DEAD_LETTER, "poison", reason))
+            return await self._refuse(delivery, Verdict(Verb.DEAD_LETTER, Outcome.POISON, reason))
         decoded: _Decoded = {}
         key: Hashable = None
         for handler in handlers:
@@ -278,13 +258,17 @@ class Pump:
                     )
                 except ValidationError as exc:
                     reason = f"invalid body for {delivery.type}: {_first_error(exc)}"
-                    return await self._refuse(delivery, _Verdict(DEAD_LETTER, "poison", reason))
+                    return await self._refuse(
+                        delivery, Verdict(Verb.DEAD_LETTER, Outcome.POISON, reason)
+                    )
             if key is None and handler.key is not None:
                 try:
                     key = handler.key(message)
                 except Exception as exc:
                     reason = f"{handler.consumer}: key function failed: {type(exc).__name__}: {exc}"
-                    return await self._refuse(delivery, _Verdict(DEAD_LETTER, "poison", reason))
+                    return await self._refuse(
+                        delivery, Verdict(Verb.DEAD_LETTER, Outcome.POISON, reason)
+                    )
         if key is None:
             return await self._process(delivery, handlers, decoded)
         lane = self._lanes.get(key)
@@ -295,7 +279,7 @@ class Pump:
         await self._run_lane(key, delivery, handlers, decoded)
         return None
 
-    async def _refuse(self, delivery: Delivery, verdict: _Verdict) -> None:
+    async def _refuse(self, delivery: Delivery, verdict: Verdict) -> None:
         """Dead-letter before any handler ran (counted under no consumer, for the metrics)."""
         self.outcomes["", verdict.outcome] += 1
         await self._settle(delivery, verdict)
@@ -328,18 +312,18 @@ class Pump:
         """Run the type's handlers in order (each its own transaction), then settle once."""
         if delivery.delivery_count > self.settings.max_deliveries:
             verdict = await self._over_limit(delivery, handlers)
-            if verdict.verb == DEAD_LETTER:
+            if verdict.verb is Verb.DEAD_LETTER:
                 return await self._refuse(delivery, verdict)
             return await self._settle(delivery, verdict)
-        verdict = _COMMITTED
+        verdict = COMMITTED
         for handler in handlers:
             verdict = await self._consume_observed(delivery, handler, decoded[handler.model])
-            if verdict.verb != ACK:
+            if verdict.verb is not Verb.ACK:
                 break  # later handlers run on the redelivery; earlier ones are deduplicated
         await self._settle(delivery, verdict)
         return None
 
-    async def _over_limit(self, delivery: Delivery, handlers: tuple[Handler[Any], ...]) -> _Verdict:
+    async def _over_limit(self, delivery: Delivery, handlers: tuple[Handler[Any], ...]) -> Verdict:
         """Past WORKER_MAX_DELIVERIES: done already (its ack was lost), or dead-letter it."""
         message_id = delivery.message_id
         assert message_id is not None
@@ -352,20 +336,20 @@ class Pump:
                 verdict = await self._database_trouble(delivery, marked[0], 1, exc)
                 if verdict is not None:
                     return verdict
-                return _Verdict(NACK, "failed", f"inbox check failed: {exc}")
+                return Verdict(Verb.NACK, Outcome.FAILED, f"inbox check failed: {exc}")
             finally:
                 await _discard(session)
             if all(done):
                 self.stats["duplicates-fast-path"] += 1
                 self._note(delivery, marked[0].consumer, 0, "duplicate", fast_path=True)
-                return _DUPLICATE
+                return DUPLICATE
         limit = self.settings.max_deliveries
         reason = f"delivered {delivery.delivery_count} times (WORKER_MAX_DELIVERIES={limit})"
-        return _Verdict(DEAD_LETTER, "exhausted", reason)
+        return Verdict(Verb.DEAD_LETTER, Outcome.EXHAUSTED, reason)
 
     async def _consume_observed(
         self, delivery: Delivery, handler: Handler[Any], message: BaseModel
-    ) -> _Verdict:
+    ) -> Verdict:
         """:meth:`_consume`, timed and counted per consumer (and traced when tracing is on)."""
         started = time.perf_counter()
         if self.tracing is None:
@@ -380,7 +364,7 @@ class Pump:
 
     async def _consume(
         self, delivery: Delivery, handler: Handler[Any], message: BaseModel
-    ) -> _Verdict:
+    ) -> Verdict:
         """Run one handler until it commits, is a duplicate, or must give the delivery back."""
         if handler.side_effect:
             return await self._claimed(delivery, handler, message)
@@ -426,12 +410,12 @@ class Pump:
                 # roll back, so the session is dropped unclosed (one greenlet hop less).
                 spent = False
                 self._note(delivery, consumer, attempt, "committed")
-                return _COMMITTED
+                return COMMITTED
             except Poison as exc:
-                return _Verdict(DEAD_LETTER, "poison", f"{consumer}: {exc}")
+                return Verdict(Verb.DEAD_LETTER, Outcome.POISON, f"{consumer}: {exc}")
             except Retry as exc:
                 self._note(delivery, consumer, attempt, "retry-requested", reason=str(exc))
-                return _Verdict(NACK, "retry-requested", str(exc), exc.delay)
+                return Verdict(Verb.NACK, Outcome.RETRY_REQUESTED, str(exc), exc.delay)
             except Exception as exc:
                 if attempt == 1:
                     deadline = time.monotonic() + settings.retry_budget
@@ -465,10 +449,10 @@ class Pump:
         await inbox.mark(session, message_id, consumer)
         return False
 
-    def _fast_duplicate(self, delivery: Delivery, consumer: str, attempt: int) -> _Verdict:
+    def _fast_duplicate(self, delivery: Delivery, consumer: str, attempt: int) -> Verdict:
         self.stats["duplicates-fast-path"] += 1
         self._note(delivery, consumer, attempt, "duplicate", fast_path=True)
-        return _DUPLICATE
+        return DUPLICATE
 
     async def _after_failure(
         self,
@@ -478,7 +462,7 @@ class Pump:
         deadline: float,
         session: AsyncSession,
         exc: Exception,
-    ) -> _Verdict | None:
+    ) -> Verdict | None:
         """Decide after a failed attempt: a verdict, or None after backing off to retry."""
         consumer = handler.consumer
         swallowed = isinstance(exc, StatementSwallowed)
@@ -511,7 +495,7 @@ class Pump:
         # a dropped connection, and the database answers: retry, a bounded number of times
         if attempt >= self.settings.max_attempts:
             self._note(delivery, consumer, attempt, "attempts-exhausted", error=cause)
-            return _Verdict(NACK, "attempts-exhausted", f"{failure.value}: {cause}")
+            return Verdict(Verb.NACK, Outcome.ATTEMPTS_EXHAUSTED, f"{failure.value}: {cause}")
         self.stats[f"retried-{failure.value}"] += 1
         await _discard(session)
         settings = self.settings
@@ -527,14 +511,16 @@ class Pump:
         session: AsyncSession,
         failure: Failure,
         exc: Exception,
-    ) -> _Verdict | None:
+    ) -> Verdict | None:
         """Someone else committed first: retry on a fresh session until the budget is spent."""
         settings = self.settings
         pause = backoff(attempt, settings.retry_backoff, settings.retry_backoff_max)
         if time.monotonic() + pause > deadline:
             self._note(delivery, consumer, attempt, "attempts-exhausted", error=exc)
             reason = f"{failure.value}: retry budget of {settings.retry_budget}s spent: {exc}"
-            return _Verdict(NACK, "attempts-exhausted", reason, _GIVE_BACK_DELAY, counted=False)
+            return Verdict(
+                Verb.NACK, Outcome.ATTEMPTS_EXHAUSTED, reason, _GIVE_BACK_DELAY, counted=False
+            )
         self.stats[f"retried-{failure.value}"] += 1
         self._note(delivery, consumer, attempt, "retrying", failure=failure.value)
         # end the failed transaction before backing off: on PostgreSQL it may still hold
@@ -550,21 +536,25 @@ class Pump:
         attempt: int,
         exc: Exception,
         failure: Failure | None = None,
-    ) -> _Verdict | None:
+    ) -> Verdict | None:
         """Not the message's fault: a verdict that spends no delivery, or None to retry."""
         failure = classify(exc) if failure is None else failure
         consumer = handler.consumer
         if failure is Failure.LOCKED:
             self._note(delivery, consumer, attempt, "in-progress", error=exc)
             reason = "the same message is in progress elsewhere"
-            return _Verdict(
-                NACK, "in-progress", reason, self.settings.marker_lock_timeout, counted=False
+            return Verdict(
+                Verb.NACK,
+                Outcome.IN_PROGRESS,
+                reason,
+                self.settings.marker_lock_timeout,
+                counted=False,
             )
         if failure is Failure.SCHEMA:
             self.health.pause_for_schema(exc)
             self._note(delivery, consumer, attempt, "paused", error=exc)
-            return _Verdict(
-                NACK, "paused", "schema behind the code", _GIVE_BACK_DELAY, counted=False
+            return Verdict(
+                Verb.NACK, Outcome.PAUSED, "schema behind the code", _GIVE_BACK_DELAY, counted=False
             )
         if failure is Failure.CONNECTION:
             if not await self.health.confirm():
@@ -573,7 +563,7 @@ class Pump:
             return None
         if failure is Failure.DATA:
             reason = f"{consumer}: the database refuses a value: {type(exc).__name__}: {exc}"
-            return _Verdict(DEAD_LETTER, "poison", reason)
+            return Verdict(Verb.DEAD_LETTER, Outcome.POISON, reason)
         return None
 
     async def _final(
@@ -584,12 +574,12 @@ class Pump:
         session: AsyncSession,
         exc: Exception,
         failure: Failure,
-    ) -> _Verdict | None:
+    ) -> Verdict | None:
         """The errors that end a delivery without a retry: duplicate, rejected, row deleted."""
         if failure is Failure.DUPLICATE:
             self.stats["duplicates-constraint"] += 1
             self._note(delivery, handler.consumer, attempt, "duplicate")
-            return _DUPLICATE
+            return DUPLICATE
         rejected = exc if isinstance(exc, Rejected) else None
         if rejected is None and failure is Failure.CONFLICT:  # changed, or gone?
             rejected = await deleted_row(session, exc, self._sessions)
@@ -600,7 +590,7 @@ class Pump:
 
     async def _claimed(
         self, delivery: Delivery, handler: Handler[Any], message: BaseModel
-    ) -> _Verdict:
+    ) -> Verdict:
         """A side-effect handler: claim with a lease, call, mark finished (worker/claims.py)."""
         try:
             result = await claims.process(
@@ -612,13 +602,11 @@ class Pump:
                 verdict if verdict is not None else self._failed(delivery, handler.consumer, 1, exc)
             )
         self._note(delivery, handler.consumer, 1, result.outcome, reason=result.reason)
-        return _Verdict(
-            result.verb, result.outcome, result.reason, result.delay, counted=result.counted
-        )
+        return result
 
     async def _rejected(
         self, delivery: Delivery, handler: Handler[Any], attempt: int, exc: Rejected
-    ) -> _Verdict:
+    ) -> Verdict:
         """Not applied and never retried: record it with the inbox marker, then ack."""
         consumer = handler.consumer
         assert delivery.message_id is not None
@@ -639,7 +627,7 @@ class Pump:
         if not recorded:
             self.stats["duplicates-constraint"] += 1
             self._note(delivery, consumer, attempt, "duplicate")
-            return _DUPLICATE
+            return DUPLICATE
         self._note(
             delivery,
             consumer,
@@ -650,25 +638,20 @@ class Pump:
             expected=exc.expected,
             actual=exc.actual,
         )
-        return _Verdict(ACK, exc.outcome, str(exc))
+        return Verdict(Verb.ACK, exc.outcome, str(exc))
 
-    def _failed(self, delivery: Delivery, consumer: str, attempt: int, exc: Exception) -> _Verdict:
-        reason = f"{consumer}: {type(exc).__name__}: {exc}"
-        last = delivery.delivery_count >= self.settings.max_deliveries
+    def _failed(self, delivery: Delivery, consumer: str, attempt: int, exc: Exception) -> Verdict:
+        verdict = failure(consumer, exc, delivery.delivery_count, self.settings.max_deliveries)
         self._log.warning(
             "handler failed",
             message_id=delivery.message_id,
             consumer=consumer,
             attempt=attempt,
             delivery_count=delivery.delivery_count,
-            outcome="dead-lettered" if last else "nacked",
+            outcome="dead-lettered" if verdict.verb is Verb.DEAD_LETTER else "nacked",
             exc_info=exc,
         )
-        if last:
-            return _Verdict(
-                DEAD_LETTER, "exhausted", f"failed {delivery.delivery_count} deliveries: {reason}"
-            )
-        return _Verdict(NACK, "failed", reason)
+        return verdict
 
     def _note(
         self, delivery: Delivery, consumer: str, attempt: int, outcome: str, **extra: Any
@@ -689,7 +672,7 @@ class Pump:
             **extra,
         )
 
-    async def _settle(self, delivery: Delivery, verdict: _Verdict) -> None:
+    async def _settle(self, delivery: Delivery, verdict: Verdict) -> None:
         """The one place a delivery is settled. A lost settlement is never a success.
 
         A second settlement of one delivery raises :class:`AlreadySettled`: a bug,
@@ -701,9 +684,9 @@ class Pump:
         if self.tracing is not None:
             self.tracing.settling(verdict.outcome, verb, verdict.reason)
         try:
-            if verb == ACK:
+            if verb is Verb.ACK:
                 await delivery.ack()
-            elif verb == NACK:
+            elif verb is Verb.NACK:
                 await delivery.nack(verdict.delay, counted=verdict.counted)
             else:
                 assert verdict.reason is not None
@@ -719,7 +702,7 @@ class Pump:
             )
             return
         self.stats[verb] += 1
-        if verb == DEAD_LETTER:
+        if verb is Verb.DEAD_LETTER:
             self.stats[f"dead-letter-{verdict.outcome}"] += 1
             self._log.warning(
                 "dead-lettered",
@@ -730,7 +713,7 @@ class Pump:
                 outcome=verdict.outcome,
             )
 
-    async def _settle_guarded(self, delivery: Delivery, verdict: _Verdict) -> None:
+    async def _settle_guarded(self, delivery: Delivery, verdict: Verdict) -> None:
         """A fallback settlement: it may fail (an adapter bug), but never ends a worker loop."""
         try:
             await self._settle(delivery, verdict)

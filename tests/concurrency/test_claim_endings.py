@@ -33,6 +33,7 @@ from worker.db import Failure, classify, create_engine, session_factory
 from worker.errors import Poison
 from worker.logs import get_logger
 from worker.registry import Handler, Registry
+from worker.verdict import Verdict
 
 LOG = get_logger(test="claim-endings")
 
@@ -133,7 +134,7 @@ async def test_a_replica_that_lost_its_claim_commits_none_of_its_writes(
     settings = make_settings(claim_lease=5, claim_call_timeout=4)
     sessions = session_factory(engine)
 
-    async def finish(claim: claims.Claim, delivery_count: int) -> claims.Outcome:
+    async def finish(claim: claims.Claim, delivery_count: int) -> Verdict:
         return await claims.run(
             sessions,
             handler,
@@ -357,7 +358,7 @@ async def test_abandoned_claims_are_listed_then_purged_with_the_finished_markers
 
 async def deliver(
     sessions: Any, handler: Handler[Any], settings: Any, delivery: FakeDelivery
-) -> claims.Outcome:
+) -> Verdict:
     """:func:`claims.process` for a FakeDelivery of Pay(amount=10)."""
     return await claims.process(
         sessions, handler, Pay(amount=10), cast(Any, delivery), settings, LOG

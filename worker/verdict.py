@@ -1,0 +1,96 @@
+"""How one handler's work on a delivery ends: one vocabulary for the pump, the claims,
+the metrics and the logs.
+
+A :class:`Verdict` joins the settlement :class:`Verb` the broker sees to the
+:class:`Outcome` the worker records; :func:`failure` is the one rule for an
+ordinary exception (nack, and dead-letter on the last allowed delivery).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Verb(enum.StrEnum):
+    """What the broker is told."""
+
+    ACK = "ack"
+    NACK = "nack"
+    DEAD_LETTER = "dead-letter"
+
+
+class Outcome(enum.StrEnum):
+    """What happened, as logs, traces and metrics name it."""
+
+    COMMITTED = "committed"
+    DUPLICATE = "duplicate"
+    POISON = "poison"
+    EXHAUSTED = "exhausted"
+    FAILED = "failed"
+    NACKED = "nacked"  # an unexpected error outside any handler
+    RETRY_REQUESTED = "retry-requested"
+    ATTEMPTS_EXHAUSTED = "attempts-exhausted"
+    PAUSED = "paused"
+    IN_PROGRESS = "in-progress"
+    SHUTDOWN = "shutdown"
+    REJECTED = "rejected"
+    PRECONDITION_FAILED = "precondition-failed"
+    DELETED = "deleted"
+    MERGE_CONFLICT = "merge-conflict"
+    CLAIM_HELD = "claim-held"
+    CLAIM_CONTENDED = "claim-contended"
+    LEASE_SPENT = "lease-spent"
+    FINISH_CONTENDED = "finish-contended"
+    CALL_TIMEOUT = "call-timeout"
+
+    @property
+    def settlement(self) -> str:
+        """The metrics' ``outcome`` label: committed, duplicate, dead-lettered, nacked, or
+        the outcome's own name (rejections, claims' waits, shutdown give-backs)."""
+        return _SETTLEMENT.get(self, self.value)
+
+
+_SETTLEMENT = {
+    Outcome.COMMITTED: "committed",
+    Outcome.DUPLICATE: "duplicate",
+    Outcome.POISON: "dead-lettered",
+    Outcome.EXHAUSTED: "dead-lettered",
+    Outcome.FAILED: "nacked",
+    Outcome.ATTEMPTS_EXHAUSTED: "nacked",
+    Outcome.PAUSED: "nacked",
+    Outcome.RETRY_REQUESTED: "nacked",
+    Outcome.NACKED: "nacked",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """One handler's end on one delivery, for the pump's single settlement point.
+
+    ``counted=False`` keeps the delivery count where it is: the message is not to
+    blame (a database outage, contention, a shutdown, a twin in progress elsewhere).
+    """
+
+    verb: Verb
+    outcome: Outcome
+    reason: str | None = None
+    delay: float | None = None
+    counted: bool = True
+
+
+COMMITTED = Verdict(Verb.ACK, Outcome.COMMITTED)
+DUPLICATE = Verdict(Verb.ACK, Outcome.DUPLICATE)
+
+
+def last_delivery(delivery_count: int, max_deliveries: int) -> bool:
+    return delivery_count >= max_deliveries
+
+
+def failure(consumer: str, exc: BaseException, delivery_count: int, max_deliveries: int) -> Verdict:
+    """An ordinary exception: nack; on the last allowed delivery, dead-letter ("exhausted")."""
+    reason = f"{consumer}: {type(exc).__name__}: {exc}"
+    if last_delivery(delivery_count, max_deliveries):
+        reason = f"failed {delivery_count} deliveries: {reason}"
+        return Verdict(Verb.DEAD_LETTER, Outcome.EXHAUSTED, reason)
+    return Verdict(Verb.NACK, Outcome.FAILED, reason)
