@@ -21,12 +21,13 @@ fresh that snapshot is.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -39,7 +40,6 @@ from worker.verdict import Outcome, Verb
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-    from worker.pump import Pump
 
 # A handler outcome (the pump's verdict for one consumer) -> the ``outcome`` label,
 # from the one vocabulary (worker/verdict.py); an unknown outcome keeps its own name.
@@ -108,6 +108,41 @@ def sweep_run(result: str) -> None:
     SWEEPER_RUNS.labels(result).inc()
 
 
+class _Health(Protocol):
+    outages: int
+
+    @property
+    def available(self) -> bool: ...
+
+
+class _Broker(Protocol):
+    name: str
+
+    @property
+    def ready(self) -> bool: ...
+
+
+class Tallies(Protocol):
+    """What the metrics read from a pump: plain tallies and states, nothing else.
+
+    A Protocol, so this module never imports the pump (no cycle, not even for typing).
+    """
+
+    stats: collections.Counter[str]
+    outcomes: collections.Counter[tuple[str, str]]
+    in_flight: int
+    running: bool
+
+    @property
+    def health(self) -> _Health: ...
+
+    @property
+    def broker(self) -> _Broker: ...
+
+    @property
+    def ready(self) -> bool: ...
+
+
 class PumpCollector(Collector):
     """Reads every live pump's tallies when Prometheus scrapes.
 
@@ -117,9 +152,9 @@ class PumpCollector(Collector):
     """
 
     def __init__(self) -> None:
-        self._pumps: weakref.WeakSet[Pump] = weakref.WeakSet()
+        self._pumps: weakref.WeakSet[Tallies] = weakref.WeakSet()
 
-    def track(self, pump: Pump) -> None:
+    def track(self, pump: Tallies) -> None:
         self._pumps.add(pump)
 
     def describe(self) -> Iterable[Metric]:
@@ -205,7 +240,7 @@ class PumpCollector(Collector):
         )
 
 
-def _classified(pumps: list[Pump], stats: dict[str, int]) -> Iterator[Metric]:
+def _classified(pumps: list[Tallies], stats: dict[str, int]) -> Iterator[Metric]:
     """Duplicates by path, dead letters and rejections by reason class."""
     duplicates = CounterMetricFamily(
         "worker_duplicates",
@@ -233,7 +268,7 @@ def _classified(pumps: list[Pump], stats: dict[str, int]) -> Iterator[Metric]:
     yield from (duplicates, dead_letters, rejections)
 
 
-def _by_reason(pumps: list[Pump], classes: dict[str, str]) -> dict[tuple[str, str], int]:
+def _by_reason(pumps: list[Tallies], classes: dict[str, str]) -> dict[tuple[str, str], int]:
     counts: dict[tuple[str, str], int] = {}
     for pump in pumps:
         for (consumer, outcome), count in dict(pump.outcomes).items():
@@ -247,7 +282,7 @@ PUMPS = PumpCollector()
 REGISTRY.register(PUMPS)
 
 
-def track(pump: Pump) -> None:
+def track(pump: Tallies) -> None:
     """Export this pump's tallies (held weakly: a discarded pump drops out)."""
     PUMPS.track(pump)
 
