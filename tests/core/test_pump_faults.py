@@ -458,3 +458,33 @@ async def test_paused_lines_carry_the_message_fields(
     [line] = [x for x in message_lines(logs, "m-1") if x["event"] == "paused"]
     assert_fields(line, consumer="report")
     assert line["outcome"] == "paused"
+
+
+async def test_settlement_trouble_lines_carry_attempt_and_outcome(
+    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+) -> None:
+    """The lines about a settlement that went wrong: settled twice, fallback failed, lost."""
+    registry = credit_registry()
+
+    @registry.handler("Slow", CreditRequested, consumer="slow")
+    async def slow(ctx: Context, message: CreditRequested) -> None:
+        if ctx.delivery_count == 1:
+            await asyncio.sleep(0.6)  # past the broker's lock: the ack is refused
+
+    broker = MemoryBroker(visibility_timeout=0.3)
+    faulty = Faulty(broker.connect(), twice={"twice"}, bad_type={"bug"}, nack_fails={"bug"})
+    with capture_logs() as logs:
+        async with run_pumps([faulty], [engine], registry, make_settings()) as [pump]:
+            broker.publish("twice", "Credit", BODY)
+            broker.publish("bug", "Credit", BODY)
+            broker.publish("slow", "Slow", BODY)
+            await until(lambda: pump.stats["settled-twice"] == 1)
+            await broker.wait_idle(timeout=20)
+    assert pump.stats["settlement-lost"] >= 1 and pump.stats["settlement-failed"] >= 1
+    for message_id, event in (
+        ("twice", "bug: delivery settled twice"),
+        ("bug", "fallback settlement failed, broker will redeliver"),
+        ("slow", "settlement lost, broker will redeliver"),
+    ):
+        [line, *_] = [x for x in message_lines(logs, message_id) if x["event"] == event]
+        assert_fields(line, consumer="slow" if message_id == "slow" else None)
