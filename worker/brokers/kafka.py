@@ -491,13 +491,16 @@ class KafkaBroker:
 
     @property
     def ready(self) -> bool:
-        """Started, not stopping, owning partitions, fetching, and the coordinator known.
+        """Started, not stopping, fetching, and the group coordinator known.
 
-        Also false while the watchdog keeps the member out of the group.
+        An idle member (no partition: a replica beyond the partition count, a surge pod
+        during a rollout) is healthy and ready: requiring partitions would hang rollouts
+        and node drains at maximum scale. False while the watchdog keeps the member out
+        of the group.
         """
         if not self._started or self._stopping or self._left:
             return False
-        if not self._partitions or not self._fetch_ok:
+        if not self._fetch_ok:
             return False
         # aiokafka has no public "connected" flag; the group coordinator is the
         # best one: a heartbeat that cannot reach it marks it unknown at once.
