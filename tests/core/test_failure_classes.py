@@ -322,6 +322,21 @@ async def test_sqlite_integer_beyond_64_bits_is_data(lite: AsyncEngine) -> None:
     assert classify(exc) is Failure.DATA
 
 
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_an_exhausted_connection_pool_is_not_the_messages_fault(database_url: str) -> None:
+    """Every connection of the pool is busy (slow handlers, a pool sized below the
+    concurrency to fit max_connections): a wait, never a failure to count."""
+    engine = create_async_engine(database_url, pool_size=1, max_overflow=0, pool_timeout=0.05)
+    try:
+        async with engine.connect() as busy:
+            await busy.execute(text("SELECT 1"))
+            exc = await raised(in_transaction(engine, text("SELECT 1")))
+    finally:
+        await engine.dispose()
+    assert "QueuePool limit of size 1 overflow 0 reached" in str(exc)
+    assert classify(exc) in (Failure.TRANSIENT, Failure.CONNECTION)
+
+
 # -- where an error came from ----------------------------------------------------------------
 
 

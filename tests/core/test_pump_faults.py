@@ -214,6 +214,35 @@ async def test_a_handlers_own_connection_refused_is_counted_not_a_pause(
     assert await row_count(engine, InboxMarker) == 0 and await row_count(engine, Account) == 0
 
 
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_a_busy_connection_pool_spends_no_delivery(
+    database_url: str, make_settings: Any, run_pumps: Any
+) -> None:
+    """A pool sized below the concurrency (to fit max_connections) makes an attempt wait
+    for a connection; when the wait times out, that is not the message's failure."""
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    engine = create_async_engine(database_url, pool_size=1, max_overflow=0, pool_timeout=0.1)
+    registry = Registry()
+
+    @registry.handler("Slow", CreditRequested, consumer="slow")
+    async def slow(ctx: Context, message: CreditRequested) -> None:
+        await apply_credit(ctx, message)
+        await asyncio.sleep(0.3)  # holds the only connection
+
+    broker = MemoryBroker()
+    settings = make_settings(concurrency=2, max_deliveries=1)
+    try:
+        async with run_pumps([broker.connect()], [engine], registry, settings):
+            broker.publish("m-1", "Slow", BODY)
+            broker.publish("m-2", "Slow", BODY)
+            await broker.wait_idle(timeout=30)
+    finally:
+        await engine.dispose()
+    assert broker.dead_letters == []  # both valid: neither may be dead-lettered
+    assert verbs(broker, "m-1")[-1] == "ack" and verbs(broker, "m-2")[-1] == "ack"
+
+
 # -- (d) values the database refuses are poison ---------------------------------------------------
 
 
