@@ -12,7 +12,8 @@ consume them into PostgreSQL. Rows (handlers in benchmarks/hot_rows_handlers.py)
 - an atomic ``UPDATE ... SET balance = balance + :amount`` handler;
 - the hand-written aio-pika + asyncpg consumer of benchmarks/rabbitmq_vs_handwritten.py
   (atomic upsert, no pump), run as the same number of processes;
-- the keyed reference handler on 100 cold accounts: what the key must come close to.
+- the keyed reference handler on 100 cold accounts: what the key must come close to;
+- the ``with_for_update()`` handler with the key as well.
 
 msg/s counts the commits made once every process of the run had logged
 ``pump started`` (PostgreSQL's transaction start times of the inbox markers), so
@@ -81,10 +82,11 @@ ROWS = (
     Row("atomic UPDATE", "atomic"),
     Row("hand-written aio-pika+asyncpg", "hand-written"),
     Row("keyed, 100 cold accounts", "keyed", accounts=100),
+    Row("keyed + with_for_update()", "keyed-for-update"),
 )
 
 # The rows the targets compare first, the slowest last: a spent --budget cuts the least.
-RUN_ORDER = (ROWS[1], ROWS[5], ROWS[3], ROWS[4], ROWS[2], ROWS[0])
+RUN_ORDER = (ROWS[1], ROWS[5], ROWS[3], ROWS[4], ROWS[2], ROWS[6], ROWS[0])
 
 
 @dataclass

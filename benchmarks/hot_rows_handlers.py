@@ -13,6 +13,8 @@ One variant per process, because a single keyed handler changes the whole pump
   queue on its lock in the database instead of colliding on its token.
 - ``atomic``: one ``UPDATE ... SET balance = balance + :amount``; the database adds,
   nothing is read, nothing conflicts.
+- ``keyed-for-update``: ``for-update`` serialized per account inside the process, so
+  each process has at most one transaction waiting for a row's lock.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from handlers.credit import Account, CreditRequested, apply_credit
 from worker import Context, handler
 
 MESSAGE_TYPE = "HotCredit"
-VARIANTS = ("reference", "keyed", "for-update", "atomic")
+VARIANTS = ("reference", "keyed", "for-update", "atomic", "keyed-for-update")
 
 # The version moves too: an ORM writer that read the row before this statement must
 # see a conflict, or its write (balance it read + its amount) would erase this one.
@@ -65,6 +67,11 @@ def _register(variant: str) -> None:
         handler(MESSAGE_TYPE, CreditRequested, consumer=consumer)(credit_for_update)
     elif variant == "atomic":
         handler(MESSAGE_TYPE, CreditRequested, consumer=consumer)(credit_atomic)
+    elif variant == "keyed-for-update":
+        keyed = handler(
+            MESSAGE_TYPE, CreditRequested, consumer=consumer, key=lambda m: m.account_id
+        )
+        keyed(credit_for_update)
     else:
         raise RuntimeError(f"HOT_ROWS_VARIANT={variant!r}: expected one of {', '.join(VARIANTS)}")
 
