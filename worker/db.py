@@ -12,6 +12,7 @@ from sqlalchemy import MetaData, event, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
@@ -233,6 +234,8 @@ def classify(exc: BaseException) -> Failure:
         return Failure.DUPLICATE if is_inbox_violation(exc) else Failure.ERROR
     if isinstance(exc, StaleDataError):
         return Failure.CONFLICT
+    if isinstance(exc, PoolTimeout):  # every pooled connection busy: contention, not the message
+        return Failure.TRANSIENT
     if isinstance(exc, DBAPIError):
         if exc.connection_invalidated:
             return Failure.CONNECTION

@@ -100,19 +100,49 @@ _MARK_THEN_RESTORE = text(
 )
 
 
+# PostgreSQL, keyed handlers: a transaction-level advisory lock on the key, taken before the
+# marker, queues writers of one key across processes in the database (blocking is the
+# feature) instead of letting them collide on a version token. The first delivery's lock
+# and marker share one round trip.
+_KEY_LOCK = "pg_advisory_xact_lock(hashtextextended('worker-key:' || :k, 0))"
+_LOCK_KEY = text(f"SELECT {_KEY_LOCK}")
+_LOCK_KEY_THEN_MARK = text(
+    f"WITH locked AS MATERIALIZED (SELECT {_KEY_LOCK}) "
+    "INSERT INTO inbox (message_id, consumer) SELECT :m, :c FROM locked"
+)
+
+
+async def lock_key(session: AsyncSession, key: str) -> None:
+    """PostgreSQL: hold ``key`` until this transaction ends (other holders wait)."""
+    await session.execute(_LOCK_KEY, {"k": key})
+
+
+async def mark_keyed(session: AsyncSession, message_id: str, consumer: str, key: str) -> None:
+    """PostgreSQL: :func:`lock_key`, then :func:`mark`, in one round trip."""
+    await session.execute(_LOCK_KEY_THEN_MARK, {"k": key, "m": message_id, "c": consumer})
+
+
 async def mark_redelivery(
-    session: AsyncSession, message_id: str, consumer: str, lock_timeout_ms: int, *, fast_path: bool
+    session: AsyncSession,
+    message_id: str,
+    consumer: str,
+    lock_timeout_ms: int,
+    *,
+    fast_path: bool,
+    key: str | None = None,
 ) -> bool:
     """PostgreSQL: True when already processed (fast path); else insert the marker.
 
-    The insert waits at most ``lock_timeout_ms`` for a concurrent holder of the same
-    key, then fails with SQLSTATE 55P03 (``Failure.LOCKED``): in progress elsewhere.
+    The insert (and the key's lock, for a keyed handler) waits at most
+    ``lock_timeout_ms`` for a concurrent holder, then fails with SQLSTATE 55P03
+    (``Failure.LOCKED``): in progress elsewhere.
     """
-    row = (
-        await session.execute(_PROBE, {"t": f"{lock_timeout_ms}ms", "m": message_id, "c": consumer})
-    ).one()
+    params = {"t": f"{lock_timeout_ms}ms", "m": message_id, "c": consumer}
+    row = (await session.execute(_PROBE, params)).one()
     if fast_path and row[2]:
         return True
+    if key is not None:
+        await lock_key(session, key)
     await session.execute(_MARK_THEN_RESTORE, {"m": message_id, "c": consumer, "previous": row[0]})
     return False
 

@@ -38,6 +38,7 @@ import signal
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Hashable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
@@ -208,8 +209,17 @@ class Pump:
         self, delivery: Delivery, work: Callable[[Delivery], Awaitable[None]] | None = None
     ) -> None:
         """Handle one delivery; whatever goes wrong, it ends settled or is logged loudly."""
-        work = self._handle if work is None else work
         self.in_flight += 1
+        try:
+            await self._guarded(delivery, self._handle if work is None else work)
+        finally:
+            self.in_flight -= 1
+            if delivery.settled is not None:
+                self._held.discard(delivery)
+
+    async def _guarded(
+        self, delivery: Delivery, work: Callable[[Delivery], Awaitable[None]]
+    ) -> None:
         try:
             if self.tracing is None:
                 await work(delivery)
@@ -220,18 +230,17 @@ class Pump:
             self._log.error(
                 "bug: delivery settled twice",
                 message_id=delivery.message_id,
+                attempt=0,
                 outcome="settled-twice",
                 error=exc,
                 exc_info=exc,
             )
         except Exception:  # the pump must outlive any bug in a handler or adapter
-            self._log.exception("unexpected error", message_id=delivery.message_id)
+            self._log.exception(
+                "unexpected error", message_id=delivery.message_id, attempt=0, outcome="nacked"
+            )
             if delivery.settled is None:
                 await self._settle_guarded(delivery, _UNEXPECTED)
-        finally:
-            self.in_flight -= 1
-            if delivery.settled is not None:
-                self._held.discard(delivery)
 
     # -- one delivery -----------------------------------------------------------
 
@@ -294,9 +303,12 @@ class Pump:
         """Run ``delivery``, then every delivery that parked behind its key, in order."""
         lane = self._lanes[key] = deque()
         try:
-            await self._process(delivery, handlers, decoded)
+            # guarded: a failure here must not strand the deliveries parked behind it
+            await self._guarded(delivery, _bind(self._process, handlers, decoded))
             while lane:
                 parked, parked_handlers, parked_decoded = lane.popleft()
+                if not self._stop.is_set():
+                    await self.health.wait_available()  # hold them while the database is away
                 if self._stop.is_set():
                     await self._settle_guarded(parked, _STOPPING)
                     self._held.discard(parked)
@@ -320,7 +332,7 @@ class Pump:
             verdict = await self._consume_observed(delivery, handler, decoded[handler.model])
             if verdict.verb is not Verb.ACK:
                 break  # later handlers run on the redelivery; earlier ones are deduplicated
-        await self._settle(delivery, verdict)
+        await self._settle(delivery, verdict, handler.consumer)
         return None
 
     async def _over_limit(self, delivery: Delivery, handlers: tuple[Handler[Any], ...]) -> Verdict:
@@ -380,7 +392,7 @@ class Pump:
             session: PumpSession = self._sessions()
             spent = True
             try:
-                if handler.inbox and await self._mark(session, delivery, consumer):
+                if await self._mark(session, delivery, handler, message):
                     return self._fast_duplicate(delivery, consumer, attempt)
                 context = Context(
                     session,
@@ -412,10 +424,13 @@ class Pump:
                 self._note(delivery, consumer, attempt, "committed")
                 return COMMITTED
             except Poison as exc:
-                return Verdict(Verb.DEAD_LETTER, Outcome.POISON, f"{consumer}: {exc}")
+                reason = f"{consumer}: {exc}"
+                return Verdict(Verb.DEAD_LETTER, Outcome.POISON, reason, attempt=attempt)
             except Retry as exc:
                 self._note(delivery, consumer, attempt, "retry-requested", reason=str(exc))
-                return Verdict(Verb.NACK, Outcome.RETRY_REQUESTED, str(exc), exc.delay)
+                return Verdict(
+                    Verb.NACK, Outcome.RETRY_REQUESTED, str(exc), exc.delay, attempt=attempt
+                )
             except Exception as exc:
                 if attempt == 1:
                     deadline = time.monotonic() + settings.retry_budget
@@ -423,26 +438,43 @@ class Pump:
                     delivery, handler, attempt, deadline, session, exc
                 )
                 if verdict is not None:
-                    return verdict
+                    return replace(verdict, attempt=attempt)
             finally:
                 if spent:
                     await _discard(session)
 
-    async def _mark(self, session: PumpSession, delivery: Delivery, consumer: str) -> bool:
+    async def _mark(
+        self, session: PumpSession, delivery: Delivery, handler: Handler[Any], message: BaseModel
+    ) -> bool:
         """Insert the inbox marker; True instead when the fast path finds it there already.
 
         Only a redelivery can be a broker-made duplicate of finished work, so a first
-        delivery goes straight to the insert.
+        delivery goes straight to the insert. A keyed handler on PostgreSQL takes the key's
+        advisory lock first, so other processes' writers of that key wait their turn.
         """
         message_id = delivery.message_id
         assert message_id is not None
+        consumer = handler.consumer
+        key = None if handler.key is None or not self._postgres else handler.key(message)
+        if not handler.inbox:
+            if key is not None:
+                await inbox.lock_key(session, str(key))
+            return False
         if not delivery.redelivered:
-            await inbox.mark(session, message_id, consumer)
+            if key is None:
+                await inbox.mark(session, message_id, consumer)
+            else:
+                await inbox.mark_keyed(session, message_id, consumer, str(key))
             return False
         fast_path = self.settings.fast_path
         if self._postgres:
             return await inbox.mark_redelivery(
-                session, message_id, consumer, self._lock_timeout_ms, fast_path=fast_path
+                session,
+                message_id,
+                consumer,
+                self._lock_timeout_ms,
+                fast_path=fast_path,
+                key=None if key is None else str(key),
             )
         if fast_path and await inbox.seen(session, message_id, consumer):
             return True
@@ -582,6 +614,9 @@ class Pump:
             return DUPLICATE
         rejected = exc if isinstance(exc, Rejected) else None
         if rejected is None and failure is Failure.CONFLICT:  # changed, or gone?
+            # end the failed transaction first: it still holds the marker's key (on SQLite
+            # the write lock), which the lookup's fresh connection would wait on
+            await _discard(session)
             rejected = await deleted_row(session, exc, self._sessions)
         if rejected is None:
             return None
@@ -602,7 +637,7 @@ class Pump:
                 verdict if verdict is not None else self._failed(delivery, handler.consumer, 1, exc)
             )
         self._note(delivery, handler.consumer, 1, result.outcome, reason=result.reason)
-        return result
+        return replace(result, attempt=1)
 
     async def _rejected(
         self, delivery: Delivery, handler: Handler[Any], attempt: int, exc: Rejected
@@ -672,7 +707,9 @@ class Pump:
             **extra,
         )
 
-    async def _settle(self, delivery: Delivery, verdict: Verdict) -> None:
+    async def _settle(
+        self, delivery: Delivery, verdict: Verdict, consumer: str | None = None
+    ) -> None:
         """The one place a delivery is settled. A lost settlement is never a success.
 
         A second settlement of one delivery raises :class:`AlreadySettled`: a bug,
@@ -696,6 +733,8 @@ class Pump:
             self._log.warning(
                 "settlement lost, broker will redeliver",
                 message_id=delivery.message_id,
+                consumer=consumer,
+                attempt=verdict.attempt,
                 verb=verb,
                 error=exc,
                 outcome="settlement-lost",
@@ -707,6 +746,8 @@ class Pump:
             self._log.warning(
                 "dead-lettered",
                 message_id=delivery.message_id,
+                consumer=consumer,
+                attempt=verdict.attempt,
                 type=delivery.type,
                 delivery_count=delivery.delivery_count,
                 reason=verdict.reason,
@@ -722,6 +763,7 @@ class Pump:
             self._log.error(
                 "fallback settlement failed, broker will redeliver",
                 message_id=delivery.message_id,
+                attempt=verdict.attempt,
                 verb=verdict.verb,
                 outcome="settlement-failed",
                 error=exc,

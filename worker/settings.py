@@ -241,7 +241,7 @@ def check_environment(cls: type[BaseSettings]) -> None:
     if not unknown:
         return
     refuse = os.environ.get("WORKER_REFUSE_UNKNOWN_VARIABLES", "").strip().lower()
-    if refuse in ("1", "true", "yes", "on"):
+    if refuse in ("1", "true", "t", "yes", "y", "on"):  # pydantic's spellings of true
         raise ConfigurationError(
             "unknown variables (WORKER_REFUSE_UNKNOWN_VARIABLES is set): " + ", ".join(unknown)
         )

@@ -70,6 +70,7 @@ class Verdict:
 
     ``counted=False`` keeps the delivery count where it is: the message is not to
     blame (a database outage, contention, a shutdown, a twin in progress elsewhere).
+    ``attempt`` is filled in on the unhappy path only, for the log lines.
     """
 
     verb: Verb
@@ -77,6 +78,7 @@ class Verdict:
     reason: str | None = None
     delay: float | None = None
     counted: bool = True
+    attempt: int = 0  # the handler attempt that ended it (0: before any handler ran)
 
 
 COMMITTED = Verdict(Verb.ACK, Outcome.COMMITTED)

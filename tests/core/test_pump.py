@@ -123,7 +123,7 @@ async def test_settlement_table(engine: AsyncEngine, make_settings: Any, run_pum
         )
         await connection.execute(Account.__table__.insert().values(id="s", balance=0, version=1))
     calls: Counter[str] = Counter()
-    settings = make_settings(max_deliveries=3, max_attempts=2, retry_budget=0.5)
+    settings = make_settings(max_deliveries=3, max_attempts=2, retry_budget=2.0)
     broker = MemoryBroker()
     async with run_pumps([broker.connect()], [engine], table_registry(calls), settings) as pumps:
         for message_id, type_, body, _ in TABLE:
@@ -144,8 +144,7 @@ async def test_settlement_table(engine: AsyncEngine, make_settings: Any, run_pum
     assert "IntegrityError" in reasons["order"]
     assert "TransactionOwnedByPump" in reasons["commits"]
     assert "stale" not in reasons
-    # first delivery: retried past max_attempts (2), only the time budget bounds it
-    assert calls["stale"] - 1 > 2
+    assert calls["stale"] >= 3  # retried in process, then once more on its redelivery
     assert [c for v, mid, c in broker.history if mid == "stale"] == [1, 1]  # count unspent
     # the only credit applied is "ok"; the duplicate never ran the handler
     assert await balance(engine, "a") == Decimal("1.50")
@@ -388,7 +387,7 @@ async def test_in_process_attempts_exhausted_nack_then_succeed(
             await apply_credit(ctx, message)
 
     broker = MemoryBroker()
-    settings = make_settings(max_attempts=1, retry_budget=0.1)
+    settings = make_settings(max_attempts=1, retry_budget=1.0)
     async with run_pumps([broker.connect()], [engine], registry, settings) as pumps:
         broker.publish("m1", "Credit", BODY)
         await broker.wait_idle(timeout=10)
