@@ -387,11 +387,20 @@ async def drain_legacy_queues(connection: AbstractConnection, settings: RabbitMQ
                 continue  # never existed, or drained already
             if legacy.endswith(".dead"):  # stop the fanout from filling it while it drains
                 await queue.unbind(settings.dead_letter_exchange, "")
-            while (message := await queue.get(no_ack=False, fail=False)) is not None:
-                await channel.default_exchange.publish(_moved(message), target, mandatory=True)
-                await message.ack()
-                moved += 1
-            await queue.delete(if_unused=False, if_empty=True)
+            # Quorum queues refuse ``if_empty``: drain, look again, delete once it reads
+            # empty (a count can lag the acks by a moment); nothing routes to an old queue
+            # any more (the dead-letter one was unbound above). Bounded: a queue that old
+            # workers still feed is drained again at the next start.
+            for _ in range(5):
+                while (message := await queue.get(no_ack=False, fail=False)) is not None:
+                    await channel.default_exchange.publish(_moved(message), target, mandatory=True)
+                    await message.ack()
+                    moved += 1
+                again = await channel.declare_queue(legacy, passive=True)
+                if again.declaration_result.message_count == 0:
+                    await again.delete(if_unused=False, if_empty=False)
+                    break
+                await asyncio.sleep(0.2)
         finally:
             with contextlib.suppress(*_LOST):
                 await channel.close()
