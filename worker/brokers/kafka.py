@@ -231,6 +231,19 @@ def load_kafka_settings() -> KafkaSettings:
     return kafka
 
 
+async def start_producer(kafka: KafkaSettings) -> Any:
+    """A started ``acks=all`` producer (idempotent unless switched off), or a one-line error."""
+    producer = AIOKafkaProducer(
+        acks="all", enable_idempotence=kafka.idempotent_producer, **kafka.client_options()
+    )
+    try:
+        await producer.start()
+    except KafkaError as exc:
+        await producer.stop()
+        raise _start_error(kafka, exc) from None
+    return producer
+
+
 def _start_error(kafka: KafkaSettings, exc: Exception) -> Exception:
     """What a failed producer start means: the brokers are away, or refuse the producer mode.
 
@@ -1050,17 +1063,7 @@ class KafkaAdmin:
 
     async def _producer_started(self) -> Any:
         if self._producer is None:
-            producer = AIOKafkaProducer(
-                acks="all",
-                enable_idempotence=self.kafka.idempotent_producer,
-                **self.kafka.client_options(),
-            )
-            try:
-                await producer.start()
-            except KafkaError as exc:
-                await producer.stop()
-                raise _start_error(self.kafka, exc) from None
-            self._producer = producer
+            self._producer = await start_producer(self.kafka)
         return self._producer
 
     async def publish(self, messages: list[OutgoingMessage]) -> int:

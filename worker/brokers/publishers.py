@@ -243,21 +243,10 @@ class KafkaPublisher:
         self._producer: Any = None
 
     async def _started(self) -> Any:
-        from aiokafka import AIOKafkaProducer  # type: ignore[import-untyped]
-        from aiokafka.errors import KafkaError  # type: ignore[import-untyped]
+        from worker.brokers.kafka import start_producer
 
         if self._producer is None:
-            producer = AIOKafkaProducer(
-                acks="all",
-                enable_idempotence=self.kafka.idempotent_producer,
-                **self.kafka.client_options(),
-            )
-            try:
-                await producer.start()
-            except KafkaError as exc:
-                await producer.stop()
-                raise BrokerUnavailable(f"kafka at {self.kafka.bootstrap_servers}: {exc}") from None
-            self._producer = producer
+            self._producer = await start_producer(self.kafka)
         return self._producer
 
     def headers(self, message: Outgoing) -> list[tuple[str, bytes]]:
@@ -270,7 +259,7 @@ class KafkaPublisher:
         return headers
 
     async def publish(self, messages: Sequence[Outgoing]) -> list[str | None]:
-        from aiokafka.errors import (
+        from aiokafka.errors import (  # type: ignore[import-untyped]
             KafkaConnectionError,
             KafkaError,
             KafkaTimeoutError,
