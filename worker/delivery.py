@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Hashable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from worker.errors import AlreadySettled
 from worker.logs import scrub
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+InTransaction = Callable[["AsyncSession"], Awaitable[None]]
 
 
 class Settler(Protocol):
@@ -29,6 +34,11 @@ class Delivery:
     ``delivery_count`` is 1 on the first delivery, whatever the broker's own
     convention; ``message_id`` is the dedup key the adapter extracted (``None``
     when the message carries none, which the pump dead-letters).
+
+    Two optional seams for adapters: ``group`` names the deliveries that may share
+    one batch transaction (Kafka: the partition; ``None``: any of the same type), and
+    ``in_transaction`` is awaited with the session before the pump commits a
+    handler's work for this delivery (Kafka: the offset, stored in that commit).
     """
 
     __slots__ = (
@@ -36,7 +46,9 @@ class Delivery:
         "_settler",
         "body",
         "delivery_count",
+        "group",
         "headers",
+        "in_transaction",
         "message_id",
         "settled",
         "type",
@@ -60,6 +72,8 @@ class Delivery:
         self._settler = settler
         self._handle = handle
         self.settled: str | None = None
+        self.group: Hashable = None
+        self.in_transaction: InTransaction | None = None
 
     @property
     def redelivered(self) -> bool:

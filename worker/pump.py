@@ -417,6 +417,8 @@ class Pump:
                         "the transaction is aborted: catch database errors inside "
                         "`async with ctx.session.begin_nested():` instead"
                     ) from run.failures[0]
+                if delivery.in_transaction is not None:
+                    await delivery.in_transaction(session)
                 await AsyncSession.commit(session)
                 # Committed: the connection is back in the pool and nothing is left to
                 # roll back, so the session is dropped unclosed (one greenlet hop less).
