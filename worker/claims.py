@@ -1,4 +1,4 @@
-"""Side effects that cannot join the transaction: two-phase claims with a lease (rule 8).
+"""Side effects that cannot join the transaction: two-phase claims with a lease.
 
 An e-mail, a card charge or an HTTP call cannot be rolled back with the
 database, so a side-effect handler runs in phases instead of one commit::
@@ -505,8 +505,9 @@ async def _lost_to_contention(
 
     The call is over, so the lease may go at once; the redelivery takes over and calls
     again with the same key, which the provider answers from its record of the first
-    call. Uncounted (rule 13) while the claim's attempts stay below
-    WORKER_MAX_DELIVERIES, counted after that, so a row that is always hot still ends.
+    call. Uncounted (a delivery count is spent only by the message's own failure)
+    while the claim's attempts stay below WORKER_MAX_DELIVERIES, counted after that,
+    so a row that is always hot still ends.
     """
     await _release(sessions, claim, error, log, abandon=False, prefix="not recorded", who=who)
     delay = backoff(claim.attempts, settings.retry_backoff, settings.retry_backoff_max)

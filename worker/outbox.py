@@ -5,7 +5,7 @@ session, so the event commits with the inbox marker and the business writes, or
 rolls back with them. Nothing is sent from inside the handler.
 
 The :class:`Relay` (a task in every ``worker run``, or ``worker relay`` on its
-own) moves committed rows to the broker, at least once (design rule 12)::
+own) moves committed rows to the broker, at least once (every move of a message is at-least-once)::
 
     claim a batch (a lease: lease_until, claimed_by; SKIP LOCKED on PostgreSQL), commit
     publish, waiting for the broker's confirmation

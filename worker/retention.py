@@ -1,4 +1,4 @@
-"""Inbox retention: purge finished markers once no broker can redeliver their message (rule 10).
+"""Inbox retention: purge finished markers once no broker can redeliver their message.
 
 The window is :attr:`Settings.retention`, validated at start to be at least
 the redelivery window (lock timeout x max deliveries + message TTL + a margin
