@@ -13,8 +13,7 @@ from pydantic import BaseModel, ConfigDict
 from sqlalchemy import Integer, Numeric, String
 from sqlalchemy.orm import Mapped, mapped_column
 
-from worker import Context, handler
-from worker.db import Base, insert_ignoring_conflicts
+from worker import Base, Context, handler, insert_ignoring_conflicts
 
 
 class Account(Base):

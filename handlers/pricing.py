@@ -16,9 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import Integer, Numeric, String, Table, bindparam, select, update
 from sqlalchemy.orm import Mapped, mapped_column
 
-from worker import Context, handler
-from worker.db import Base
-from worker.errors import PreconditionFailed, RowDeleted
+from worker import Base, Context, PreconditionFailed, RowDeleted, handler
 
 
 class Product(Base):

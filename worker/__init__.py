@@ -2,9 +2,41 @@
 
 Handlers are registered with :func:`handler` and get a :class:`Context` whose
 ``session`` is the pump's: the pump inserts the inbox marker and commits once.
+This module is the handler author's whole API: ``handlers/`` imports only from here.
 """
 
-from worker.errors import Poison, Retry
+from worker.claims import ClaimContext, side_effect
+from worker.concurrency import Policy, guarded_delete, guarded_update, save
+from worker.db import Base, insert_ignoring_conflicts
+from worker.errors import (
+    ConfigurationError,
+    MergeConflict,
+    Poison,
+    PreconditionFailed,
+    Rejected,
+    Retry,
+    RowDeleted,
+)
 from worker.registry import Context, Registry, handler, registry
 
-__all__ = ["Context", "Poison", "Registry", "Retry", "handler", "registry"]
+__all__ = [
+    "Base",
+    "ClaimContext",
+    "ConfigurationError",
+    "Context",
+    "MergeConflict",
+    "Poison",
+    "Policy",
+    "PreconditionFailed",
+    "Registry",
+    "Rejected",
+    "Retry",
+    "RowDeleted",
+    "guarded_delete",
+    "guarded_update",
+    "handler",
+    "insert_ignoring_conflicts",
+    "registry",
+    "save",
+    "side_effect",
+]

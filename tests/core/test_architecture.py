@@ -37,8 +37,13 @@ def _module_level_imports(tree: ast.Module, known: set[str]) -> set[str]:
             elif isinstance(node, ast.Import):
                 found.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                found.add(node.module)
-                found.update(f"{node.module}.{alias.name}" for alias in node.names)
+                # ``from worker import inbox`` depends on the submodule, not on the
+                # package's facade (worker/__init__.py re-exports the handler API)
+                names = [f"{node.module}.{alias.name}" for alias in node.names]
+                submodules = [name for name in names if name in known]
+                found.update(submodules)
+                if len(submodules) < len(names):
+                    found.add(node.module)
 
     visit(tree.body)
     return found & known
@@ -79,6 +84,13 @@ def test_the_package_has_no_import_cycles() -> None:
 
 def test_the_cycle_check_can_fail() -> None:
     assert cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]
+
+
+def test_a_name_imported_from_the_facade_is_an_edge_to_it() -> None:
+    known = {"worker", "worker.inbox", "worker.pump"}
+    tree = ast.parse("from worker import inbox\nfrom worker import Context")
+    assert _module_level_imports(tree, known) == {"worker.inbox", "worker"}
+    assert _module_level_imports(ast.parse("from worker import inbox"), known) == {"worker.inbox"}
 
 
 def test_the_core_imports_no_broker_sdk() -> None:
