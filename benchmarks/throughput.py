@@ -1,0 +1,568 @@
+"""Throughput: the worker against hand-written consumers and FastStream, in one table.
+
+    python -m benchmarks.throughput [--messages 5000] [--accounts 100] [--runs 3] [--quick]
+
+N ``CreditRequested`` deliveries (1.25 each, over 100 accounts) are queued in
+RabbitMQ, then ONE consumer process (prefetch and concurrency 32) drains them into
+PostgreSQL. Every row runs in both scenarios, without duplicates and with 30 %
+of the deliveries repeating an id published shortly before (a producer retry),
+and the rows alternate inside each of ``--runs`` rounds; the table shows medians
+and ratios to the hand-written inbox consumer of the same scenario. Rows:
+
+- hand-written aio-pika + asyncpg inbox consumer: ``INSERT ... ON CONFLICT ON
+  CONSTRAINT ... DO NOTHING RETURNING``, then the atomic upsert, one transaction,
+  ack after the commit (benchmarks/rabbitmq_vs_handwritten.py's statements);
+- the same without the marker (atomic upsert, no dedup);
+- a FastStream subscriber: ORM read-modify-write of the versioned ``Account``, no
+  dedup, a version conflict nacked for redelivery (needs the ``bench`` extra);
+- ``worker run`` per message: the reference handler (``handlers.credit``: ORM
+  read-modify-write under the version token, keyed by account) and an atomic-SQL
+  handler (benchmarks/throughput_handlers.py);
+- ``worker run`` in batch mode (``WORKER_BATCH_SIZE``): the reference handler
+  (one savepoint per message) and a set-based batch handler, and a batch size sweep.
+
+msg/s is deliveries settled per second from the consumer's ``pump started`` line
+to the moment the benchmark sees the last settlement (the worker's ``/metrics``,
+the other consumers' ``drained`` line; both polled every 20 ms). Every run checks
+each balance against the credits of the distinct message ids and the markers
+against the ids: "exact" or "wrong" (a no-dedup consumer is wrong with duplicates,
+by design). The worker's peak RSS (VmHWM) and start-to-ready (spawn to ``/readyz``
+200) are printed too, and one extra run at concurrency 64 with batch size 64.
+
+Needs RabbitMQ (``rabbitmqctl``: a throwaway vhost) and PostgreSQL (a throwaway
+database); both are removed afterwards. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import httpx
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from benchmarks.hot_rows import patiently, prepare, throwaway_vhost
+from benchmarks.rabbitmq_vs_handwritten import CREDIT, MARK, admin_sql, cleanup, fill
+from tests.rabbitmq.rabbit_helpers import all_depths, rabbit_env
+from tests.support.processes import REPO, WorkerProcess, free_port
+from tests.support.rabbitmq import guest_url
+from worker.brokers import OutgoingMessage
+from worker.brokers.rabbitmq import RabbitMQSettings
+from worker.db import create_engine
+from worker.migrate import upgrade
+
+AMOUNT = Decimal("1.25")
+SCENARIOS = (0.0, 0.3)  # share of deliveries that repeat an earlier message id
+DUPLICATE_WINDOW = 200  # a duplicate repeats one of the last N ids (a producer retry)
+POLL = 0.02
+NOT_ON_MAIN = "n/a (batch mode not on main yet)"
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    serve: str = ""  # a consumer of this module (--serve), or "" for `worker run`
+    handlers: str = "handlers.credit"
+    variant: str = ""  # THROUGHPUT_VARIANT of benchmarks/throughput_handlers.py
+    batch: int = 0  # WORKER_BATCH_SIZE; 0: per message
+    concurrency: int = 0  # 0: --concurrency
+    dedup: bool = True
+    scenarios: tuple[float, ...] = SCENARIOS
+
+
+BENCH_HANDLERS = "benchmarks.throughput_handlers"
+BASELINE = Row("hand-written inbox (aio-pika + asyncpg)", serve="handwritten")
+NO_DEDUP = Row("hand-written atomic, no dedup", serve="handwritten-nodedup", dedup=False)
+ROWS = (
+    BASELINE,
+    NO_DEDUP,
+    Row("FastStream, ORM read-modify-write, no dedup", serve="faststream", dedup=False),
+    Row("worker, reference ORM handler", handlers="handlers.credit"),
+    Row("worker, atomic-SQL handler", handlers=BENCH_HANDLERS, variant="atomic"),
+    Row("worker batch 32, reference ORM (savepoints)", batch=32),
+    Row(
+        "worker batch 32, set-based handler (sweep: 32)",
+        handlers=BENCH_HANDLERS,
+        variant="set-based",
+        batch=32,
+    ),
+    *(
+        Row(
+            f"  sweep: batch {size}, set-based",
+            handlers=BENCH_HANDLERS,
+            variant="set-based",
+            batch=size,
+        )
+        for size in (1, 8, 128)
+    ),
+    Row(
+        "worker batch 64 at concurrency 64, reference ORM",
+        batch=64,
+        concurrency=64,
+        scenarios=(0.0,),
+    ),
+)
+
+
+@dataclass
+class Result:
+    rate: float = 0.0
+    ready: float | None = None  # seconds from spawn to ready
+    rss_mb: float | None = None
+    exact: bool = False
+    problem: str = ""
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+# -- the messages --------------------------------------------------------------------
+
+
+def deliveries(count: int, accounts: int, duplicates: float, seed: str) -> list[OutgoingMessage]:
+    """``count`` deliveries; a share ``duplicates`` repeats an id (and body) seen shortly before."""
+    rng = random.Random(seed)
+    out: list[OutgoingMessage] = []
+    fresh: list[OutgoingMessage] = []
+    for n in range(count):
+        if fresh and rng.random() < duplicates:
+            out.append(fresh[rng.randrange(max(0, len(fresh) - DUPLICATE_WINDOW), len(fresh))])
+            continue
+        body = f'{{"account_id": "acct-{n % accounts}", "amount": "{AMOUNT}"}}'.encode()
+        message = OutgoingMessage(f"{seed}-{n}", "CreditRequested", body)
+        fresh.append(message)
+        out.append(message)
+    return out
+
+
+def expected(batch: list[OutgoingMessage], dedup: bool) -> tuple[dict[str, Decimal], int]:
+    """Balance per account that an exactly-once consumer must reach, and the distinct ids."""
+    seen: dict[str, OutgoingMessage] = {}
+    for message in batch:
+        seen.setdefault(str(message.message_id), message)
+    balances: dict[str, Decimal] = {}
+    for message in seen.values() if dedup else batch:
+        account = json.loads(message.body)["account_id"]
+        balances[account] = balances.get(account, Decimal(0)) + AMOUNT
+    return balances, len(seen)
+
+
+# -- one run -------------------------------------------------------------------------
+
+
+def batch_mode_on_main() -> bool:
+    """Batch mode is there when its settings and its context are (it is being built)."""
+    try:
+        from worker import registry, settings
+    except ImportError:
+        return False
+    return hasattr(registry, "BatchContext") and "batch_size" in settings.Settings.model_fields
+
+
+class ServedProcess(WorkerProcess):
+    """A consumer of this module in its own process (``--serve <kind>``)."""
+
+    def __init__(self, kind: str, env: dict[str, str], log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        command = [sys.executable, "-m", "benchmarks.throughput", "--serve", kind]
+        self.process = subprocess.Popen(
+            command, env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT
+        )
+
+
+def _timestamp(line: dict[str, Any]) -> float:
+    return datetime.fromisoformat(line["timestamp"]).timestamp()
+
+
+def _peak_rss_mb(pid: int) -> float | None:
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return None
+
+
+async def _settled(client: httpx.AsyncClient, port: int) -> int:
+    """Acks + dead letters so far, from the worker's /metrics (-1: not answering yet)."""
+    try:
+        response = await client.get(f"http://127.0.0.1:{port}/metrics")
+    except httpx.HTTPError:
+        return -1
+    total = 0
+    for line in response.text.splitlines():
+        if line.startswith("worker_settlements_total{") and (
+            'verb="ack"' in line or 'verb="dead-letter"' in line
+        ):
+            total += int(float(line.rsplit(" ", 1)[1]))
+    return total
+
+
+async def _ready(client: httpx.AsyncClient, port: int) -> bool:
+    try:
+        return (await client.get(f"http://127.0.0.1:{port}/readyz")).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+async def run_once(
+    row: Row,
+    duplicates: float,
+    args: argparse.Namespace,
+    db: AsyncEngine,
+    vhost: str,
+    logs: Path,
+    n: int,
+) -> Result:
+    tag = f"tp{n}-{uuid.uuid4().hex[:6]}"
+    rabbit = RabbitMQSettings(url=guest_url(vhost), queue=tag, exchange=f"{tag}.in")
+    concurrency = row.concurrency or args.concurrency
+    port = free_port()
+    env = rabbit_env(
+        rabbit,
+        args.database_url,
+        WORKER_HANDLERS=row.handlers,
+        WORKER_CONCURRENCY=str(concurrency),
+        WORKER_DB_MAX_OVERFLOW="0",  # one process's connections stay within concurrency + 2
+        WORKER_PURGE_INTERVAL="0",  # no inbox purge or claim sweep during the clock
+        WORKER_OUTBOX_RELAY="false",
+        WORKER_GRACE_PERIOD="10",
+        WORKER_LOG_LEVEL="INFO",
+        WORKER_OPS_PORT=str(port),
+        WORKER_OPS_HOST="127.0.0.1",
+        THROUGHPUT_VARIANT=row.variant,
+        THROUGHPUT_EXPECT=str(args.messages),
+    )
+    if row.batch:
+        env["WORKER_BATCH_SIZE"] = str(row.batch)
+    await prepare(db, args.accounts)
+    batch = deliveries(args.messages, args.accounts, duplicates, tag)
+    await patiently("queueing the messages", lambda: fill(rabbit, batch))
+    result = Result()
+    path = logs / f"{tag}.log"
+    spawned = time.time()
+    process = ServedProcess(row.serve, env, path) if row.serve else WorkerProcess(env, path)
+    deadline = time.monotonic() + args.timeout
+    ended: float | None = None
+    try:
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while ended is None:
+                if process.process.poll() is not None:
+                    tail = path.read_text(errors="replace").strip().splitlines()[-3:]
+                    result.problem = f"exited early: {' | '.join(tail)[:400]}"
+                    break
+                if time.monotonic() > deadline:
+                    result.problem = f"not drained within {args.timeout:.0f}s"
+                    break
+                if row.serve:
+                    if process.logged("drained"):
+                        ended = time.time()
+                else:
+                    if result.ready is None and await _ready(client, port):
+                        result.ready = time.time() - spawned
+                    if await _settled(client, port) >= args.messages:
+                        ended = time.time()
+                await asyncio.sleep(POLL)
+        result.rss_mb = _peak_rss_mb(process.process.pid)
+    finally:
+        process.signal(signal.SIGTERM)
+        try:
+            await asyncio.to_thread(process.wait, 30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            result.problem = result.problem or "no exit after SIGTERM"
+    started = process.events("pump started")
+    if ended is not None and started:
+        result.rate = args.messages / (ended - _timestamp(started[0]))
+    stopped = process.events("pump stopped")
+    if stopped:
+        result.stats = {k: v for k, v in stopped[-1].items() if isinstance(v, int)}
+    dead = (await patiently("counting dead letters", lambda: all_depths(rabbit))).get(
+        rabbit.dead_letter_queue, 0
+    )
+    await patiently("deleting the queues", lambda: cleanup(rabbit))
+    result.exact, wrong = await check(db, batch, row.dedup, dead)
+    if wrong and not result.problem and (row.dedup or duplicates == 0):
+        result.problem = wrong
+    return result
+
+
+async def check(
+    db: AsyncEngine, batch: list[OutgoingMessage], dedup: bool, dead: int
+) -> tuple[bool, str]:
+    """Exact: every balance is 1.25 x its distinct credits, one marker per id (dedup)."""
+    want, distinct = expected(batch, dedup=True)
+    async with db.connect() as connection:
+        rows = (await connection.execute(text("SELECT id, balance FROM accounts"))).all()
+        markers = (await connection.execute(text("SELECT count(*) FROM inbox"))).scalar_one()
+    found = {row[0]: Decimal(row[1]) for row in rows}
+    wrong = sum(1 for a in set(want) | set(found) if found.get(a, 0) != want.get(a, 0))
+    problems = []
+    if wrong:
+        problems.append(f"{wrong} balances wrong")
+    if dedup and markers != distinct:
+        problems.append(f"{markers} markers for {distinct} ids")
+    if dead:
+        problems.append(f"{dead} dead letters")
+    return not problems, ", ".join(problems)
+
+
+# -- the consumers that are not the worker (run with --serve) ------------------------
+
+
+def _say(event: str, **extra: Any) -> None:
+    now = datetime.now().astimezone().isoformat()
+    print(json.dumps({"event": event, "timestamp": now, **extra}), flush=True)
+
+
+async def serve_handwritten(dedup: bool) -> None:
+    """benchmarks/rabbitmq_vs_handwritten.py's consumer; without the marker for no dedup."""
+    import aio_pika
+    import asyncpg  # type: ignore[import-untyped]
+
+    from handlers.credit import CreditRequested
+    from worker.brokers.rabbitmq import declare_topology
+    from worker.settings import Settings
+
+    rabbit, settings = RabbitMQSettings(), Settings()
+    count, concurrency = int(os.environ["THROUGHPUT_EXPECT"]), settings.concurrency
+    dsn = settings.database_url.replace("postgresql+asyncpg", "postgresql")
+    pool = await asyncpg.create_pool(dsn, min_size=concurrency, max_size=concurrency + 2)
+    connection = await aio_pika.connect_robust(rabbit.url)
+    acked = 0
+    done = asyncio.Event()
+
+    async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        nonlocal acked
+        body = CreditRequested.model_validate_json(message.body)
+        async with pool.acquire() as db, db.transaction():
+            if not dedup or await db.fetchval(MARK, message.message_id) is not None:
+                await db.execute(CREDIT, body.account_id, body.amount)
+        await message.ack()  # after the commit
+        acked += 1
+        if acked == count:
+            done.set()
+
+    try:
+        channel = await connection.channel()
+        await channel.set_qos(prefetch_count=concurrency)
+        queue = await declare_topology(channel, rabbit)
+        await queue.consume(on_message)
+        _say("pump started")
+        await done.wait()
+        _say("drained", acked=acked)
+        await asyncio.Event().wait()  # until SIGTERM
+    finally:
+        await connection.close()
+        await pool.close()
+
+
+async def serve_faststream() -> None:
+    """FastStream's RabbitMQ subscriber; the handler reads, adds and commits with the ORM."""
+    from faststream import AckPolicy
+    from faststream.rabbit import Channel, RabbitBroker, RabbitQueue
+    from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
+
+    from handlers.credit import Account, CreditRequested
+    from worker.settings import Settings
+
+    rabbit, settings = RabbitMQSettings(), Settings()
+    count, concurrency = int(os.environ["THROUGHPUT_EXPECT"]), settings.concurrency
+    engine = create_async_engine(settings.database_url, pool_size=concurrency + 2, max_overflow=0)
+    sessions = async_sessionmaker(engine, expire_on_commit=False)
+    broker = RabbitBroker(
+        rabbit.url, default_channel=Channel(prefetch_count=concurrency), log_level=30
+    )
+    done = asyncio.Event()
+    acked = 0
+
+    # a version conflict raises StaleDataError: nacked and redelivered (not lost)
+    @broker.subscriber(RabbitQueue(rabbit.queue, declare=False), ack_policy=AckPolicy.NACK_ON_ERROR)
+    async def on_credit(body: CreditRequested) -> None:
+        nonlocal acked
+        async with sessions() as session, session.begin():
+            account = await session.get(Account, body.account_id)
+            assert account is not None  # the benchmark creates every account first
+            account.balance += body.amount
+        acked += 1
+        if acked == count:
+            done.set()
+
+    await broker.start()
+    try:
+        _say("pump started")
+        await done.wait()
+        _say("drained", acked=acked)
+        await asyncio.Event().wait()  # until SIGTERM
+    finally:
+        await broker.stop()
+        await engine.dispose()
+
+
+def serve(kind: str) -> None:
+    async def main() -> None:
+        if kind == "faststream":
+            task = asyncio.create_task(serve_faststream())
+        else:
+            task = asyncio.create_task(serve_handwritten(dedup=kind == "handwritten"))
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        _say("pump stopped")
+
+    asyncio.run(main())
+
+
+# -- the report ----------------------------------------------------------------------
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def report(
+    results: dict[Row, dict[float, list[Result]]], args: argparse.Namespace, batch: bool
+) -> None:
+    print(
+        f"\n{args.messages} CreditRequested deliveries over {args.accounts} accounts, "
+        f"RabbitMQ + PostgreSQL on loopback, 1 consumer process at concurrency "
+        f"{args.concurrency}; median of {args.runs} runs, rows alternating\n"
+    )
+    base = {d: _median([r.rate for r in results[BASELINE][d] if not r.problem]) for d in SCENARIOS}
+    header = (
+        "consumer",
+        "msg/s",
+        "vs inbox",
+        "balances",
+        "msg/s 30% dup",
+        "vs inbox",
+        "balances",
+        "RSS MB",
+        "ready s",
+    )
+    widths = (50, 7, 8, 8, 13, 8, 8, 6, 7)
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in ROWS:
+        if row.batch and not batch:
+            print(f"| {row.label.ljust(widths[0])} | {NOT_ON_MAIN} |")
+            continue
+        cells = [row.label]
+        everything: list[Result] = []
+        for scenario in SCENARIOS:
+            runs = results[row].get(scenario, [])
+            everything += runs
+            if scenario not in row.scenarios:
+                cells += ["", "", ""]
+                continue
+            rate = _median([r.rate for r in runs if r.rate and not r.problem])
+            baseline = base[scenario]
+            cells.append(f"{rate:.0f}" if rate else "failed")
+            cells.append(f"{rate / baseline:.2f}x" if rate and baseline else "-")
+            cells.append("exact" if runs and all(r.exact for r in runs) else "wrong")
+        rss = _median([r.rss_mb for r in everything if r.rss_mb is not None and not row.serve])
+        ready = _median([r.ready for r in everything if r.ready is not None])
+        cells.append(f"{rss:.0f}" if rss else "-")
+        cells.append(f"{ready:.2f}" if ready else "-")
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |")
+    print("\nRSS: the worker process's peak (VmHWM); ready: spawn to /readyz 200.")
+    problems = [
+        f"  {row.label} ({scenario:.0%} dup): {r.problem}"
+        for row, by in results.items()
+        for scenario, runs in by.items()
+        for r in runs
+        if r.problem
+    ]
+    if problems:
+        print("problems:\n" + "\n".join(problems))
+
+
+# -- main ----------------------------------------------------------------------------
+
+
+async def main(args: argparse.Namespace) -> int:
+    name = f"throughput_{uuid.uuid4().hex[:8]}"
+    args.database_url = args.postgres.rsplit("/", 1)[0] + f"/{name}"
+    batch = batch_mode_on_main()
+    rows = [r for r in ROWS if not args.only or any(o in r.label for o in args.only.split(","))]
+    rows = [r for r in rows if batch or not r.batch]
+    if BASELINE not in rows:
+        rows.insert(0, BASELINE)
+    results: dict[Row, dict[float, list[Result]]] = {row: {} for row in ROWS}
+    logs = Path(tempfile.mkdtemp(prefix="throughput_"))
+    await admin_sql(args.postgres, f'CREATE DATABASE "{name}"')
+    failed = False
+    try:
+        await asyncio.to_thread(upgrade, args.database_url)
+        db = create_engine(args.database_url, pool_size=1, max_overflow=0)
+        try:
+            async with throwaway_vhost() as vhost:
+                n = 0
+                for run in range(args.runs):
+                    for scenario in SCENARIOS:
+                        for row in rows:
+                            if scenario not in row.scenarios:
+                                continue
+                            n += 1
+                            result = await run_once(row, scenario, args, db, vhost, logs, n)
+                            results[row].setdefault(scenario, []).append(result)
+                            failed = failed or bool(result.problem)
+                            print(
+                                f"[{run + 1}/{args.runs}] {scenario:.0%} dup  {row.label}: "
+                                f"{result.rate:.0f} msg/s, ready {result.ready}, "
+                                f"rss {result.rss_mb}, {result.stats} {result.problem}",
+                                flush=True,
+                            )
+        finally:
+            await db.dispose()
+    finally:
+        await admin_sql(args.postgres, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    report(results, args, batch)
+    if failed:
+        print(f"\nconsumer logs: {logs}")
+    else:
+        shutil.rmtree(logs, ignore_errors=True)
+    return 1 if failed else 0
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--messages", type=int, default=5000)
+    parser.add_argument("--accounts", type=int, default=100)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds one run may take")
+    parser.add_argument("--quick", action="store_true", help="1,000 deliveries, one run")
+    parser.add_argument("--only", default="", help="rows whose label contains one of these")
+    parser.add_argument(
+        "--postgres", default="postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
+    )
+    parser.add_argument("--serve", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.messages, args.runs = 1000, 1
+    return args
+
+
+if __name__ == "__main__":
+    options = parse()
+    if options.serve:
+        serve(options.serve)
+    else:
+        sys.exit(asyncio.run(main(options)))

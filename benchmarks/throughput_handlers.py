@@ -1,0 +1,79 @@
+"""``WORKER_HANDLERS=benchmarks.throughput_handlers``: the worker rows of benchmarks/throughput.py.
+
+``THROUGHPUT_VARIANT`` picks the one handler this process registers for
+``CreditRequested``. The reference rows run ``WORKER_HANDLERS=handlers.credit``
+itself; this module never imports it, so it registers no second consumer of the
+type (the body model below is a copy of ``handlers.credit.CreditRequested``).
+
+- ``atomic``: per message, the hand-written consumer's atomic upsert through
+  ``ctx.session`` (no read, no token check, nothing to conflict).
+- ``set-based``: a batch handler (``batch=True``): the batch's credits summed per
+  account in Python, then one multi-row upsert for the whole batch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from decimal import Decimal
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+from sqlalchemy import text
+
+from worker import Context, handler
+
+VARIANTS = ("atomic", "set-based")
+
+
+class CreditRequested(BaseModel):
+    """The body of ``handlers.credit.CreditRequested``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    account_id: str
+    amount: Decimal
+
+
+# The hand-written consumer's statement (benchmarks/rabbitmq_vs_handwritten.py CREDIT).
+# The version moves too, so an ORM writer of the same row still sees a conflict.
+CREDIT = text(
+    "INSERT INTO accounts (id, balance, version) VALUES (:a, :b, 1) ON CONFLICT (id) "
+    "DO UPDATE SET balance = accounts.balance + EXCLUDED.balance, version = accounts.version + 1"
+)
+# Many rows at once: one row per account (ON CONFLICT may touch a row once per statement).
+CREDIT_MANY = text(
+    "INSERT INTO accounts (id, balance, version) SELECT a, b, 1 "
+    "FROM unnest(CAST(:ids AS text[]), CAST(:amounts AS numeric[])) AS t(a, b) "
+    "ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance, "
+    "version = accounts.version + 1"
+)
+
+
+async def credit_atomic(ctx: Context, message: CreditRequested) -> None:
+    await ctx.session.execute(CREDIT, {"a": message.account_id, "b": message.amount})
+
+
+async def credit_set_based(ctx: Any, messages: Sequence[CreditRequested]) -> None:
+    """One statement for the batch; accounts in a fixed order, so batches never deadlock."""
+    totals: dict[str, Decimal] = {}
+    for message in messages:
+        totals[message.account_id] = totals.get(message.account_id, Decimal(0)) + message.amount
+    ids = sorted(totals)
+    params = {"ids": ids, "amounts": [totals[i] for i in ids]}
+    await ctx.session.execute(CREDIT_MANY, params)
+
+
+def _register(variant: str) -> None:
+    if variant == "atomic":
+        handler("CreditRequested", CreditRequested, consumer="credit")(credit_atomic)
+    elif variant == "set-based":
+        batch_handler: Any = handler
+        batch_handler("CreditRequested", CreditRequested, consumer="credit", batch=True)(
+            credit_set_based
+        )
+    else:
+        raise RuntimeError(f"THROUGHPUT_VARIANT={variant!r}: expected one of {VARIANTS}")
+
+
+_register(os.environ.get("THROUGHPUT_VARIANT", "atomic"))
