@@ -3,20 +3,52 @@
 Registered with :func:`worker.claims.side_effect`, so it runs as a two-phase
 claim with a lease: the call happens at least once and, thanks to the
 ``Idempotency-Key`` header (the message id), takes effect once at the provider.
+
+Its setting is its own, not the core's: ``WORKER_MAIL_API_URL`` in :class:`MailSettings`,
+declared with :func:`worker.settings.handler_settings` so that the worker's
+unknown-variable check knows it.
 """
 
 from __future__ import annotations
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from worker.claims import ClaimContext, side_effect
 from worker.errors import ConfigurationError, Poison, Retry
+from worker.settings import handler_settings, load
 
 # The provider may succeed later on these; any other 4xx will never succeed.
 _TRY_AGAIN = frozenset({408, 409, 425, 429})
 # Sent, unanswered: unlike a refused connection (a definite failure), the call may have worked.
 _NO_ANSWER = (httpx.ReadTimeout, httpx.WriteTimeout, httpx.ReadError, httpx.RemoteProtocolError)
+
+
+@handler_settings
+class MailSettings(BaseSettings):
+    """``WORKER_MAIL_*``: the mail API the welcome e-mail goes through."""
+
+    model_config = SettingsConfigDict(env_prefix="WORKER_MAIL_", extra="ignore")
+
+    api_url: str | None = Field(None, description="Endpoint the SendWelcomeEmail handler POSTs to.")
+
+
+_settings: MailSettings | None = None
+
+
+def mail_settings() -> MailSettings:
+    """``WORKER_MAIL_*``, read once per process, when the handler first runs."""
+    global _settings
+    if _settings is None:
+        _settings = load(MailSettings)
+    return _settings
+
+
+def configure(settings: MailSettings | None) -> None:
+    """Use ``settings`` from now on (None: read the environment again on the next call)."""
+    global _settings
+    _settings = settings
 
 
 class SendWelcomeEmail(BaseModel):
@@ -28,7 +60,7 @@ class SendWelcomeEmail(BaseModel):
 
 @side_effect("SendWelcomeEmail", SendWelcomeEmail, consumer="welcome-email")
 async def send_welcome_email(ctx: ClaimContext, message: SendWelcomeEmail) -> str:
-    url = ctx.settings.mail_api_url
+    url = mail_settings().api_url
     if not url:
         raise ConfigurationError("WORKER_MAIL_API_URL is not set")
     # the time the claim leaves the call: the call timeout, or less when the lease is shorter

@@ -3,12 +3,15 @@
 Broker adapters keep their own settings class next to their code (for example
 ``WORKER_RABBITMQ_*`` in :mod:`worker.brokers.rabbitmq`) and load it through
 :func:`load`, so every bad value anywhere is reported the same way: one line
-naming the variable.
+naming the variable. Handler modules do the same, under a prefix of their own
+that they declare with :func:`handler_settings` (``WORKER_MAIL_*`` in
+:mod:`handlers.notify`), so the core's unknown-variable check leaves it to them.
 """
 
 from __future__ import annotations
 
 import difflib
+import importlib
 import os
 from collections.abc import Mapping
 from datetime import timedelta
@@ -70,9 +73,6 @@ class Settings(BaseSettings):
     )
     claim_call_timeout: float = Field(
         30.0, gt=0, description="Seconds an external call may take; shorter than the lease."
-    )
-    mail_api_url: str | None = Field(
-        None, description="Endpoint the SendWelcomeEmail handler POSTs to."
     )
     broker_lock_timeout: timedelta = Field(
         timedelta(minutes=30), description="The broker's lock / visibility / ack timeout."
@@ -213,15 +213,55 @@ _OWNED_PREFIXES = (
     "WORKER_TEST_",
 )
 
+# The settings classes of handler modules, by prefix (see handler_settings).
+_HANDLER_SETTINGS: dict[str, type[BaseSettings]] = {}
+
+
+def _prefix(cls: type[BaseSettings]) -> str:
+    return str(cls.model_config.get("env_prefix", "")).upper()
+
+
+def handler_settings(cls: type[S]) -> type[S]:
+    """Declare a handler module's settings class (a class decorator).
+
+    The class reads its variables under a prefix of its own, ``WORKER_<NAME>_``: the
+    core's unknown-variable check leaves every variable under it to the class, whose
+    :func:`load` reports the typos under it, as the adapters' classes do. A prefix that
+    would hide a core variable or another owner's prefix is refused, so a declaration
+    can never silence a typo of someone else's.
+    """
+    prefix = _prefix(cls)
+    where = f"{cls.__module__}.{cls.__qualname__}"
+    if not prefix.startswith("WORKER_") or not prefix.endswith("_") or prefix == "WORKER_":
+        raise ValueError(f"{where}: env_prefix must be WORKER_<NAME>_, not {prefix!r}")
+    core = [f"WORKER_{name.upper()}" for name in Settings.model_fields]
+    hidden = [name for name in core if name.startswith(prefix)]
+    if hidden:
+        raise ValueError(f"{where}: env_prefix {prefix!r} would take core variables: {hidden}")
+    owners = dict.fromkeys(_OWNED_PREFIXES, "the worker")
+    owners.update({p: f"{c.__module__}.{c.__qualname__}" for p, c in _HANDLER_SETTINGS.items()})
+    for other, owner in owners.items():
+        same = owner == where  # the same class declared again: a re-imported module
+        if not same and (other.startswith(prefix) or prefix.startswith(other)):
+            raise ValueError(f"{where}: env_prefix {prefix!r} overlaps {other!r} of {owner}")
+    _HANDLER_SETTINGS[prefix] = cls
+    return cls
+
+
+def declared_handler_settings() -> list[type[BaseSettings]]:
+    """The handler settings classes declared so far (by the handler modules imported)."""
+    return list(_HANDLER_SETTINGS.values())
+
 
 def unknown_variables(
     cls: type[BaseSettings], environ: Mapping[str, str] | None = None
 ) -> list[str]:
     """``WORKER_*`` names in the environment that no field of ``cls`` reads, with a hint."""
     environ = os.environ if environ is None else environ
-    prefix = str(cls.model_config.get("env_prefix", "")).upper()
+    prefix = _prefix(cls)
     known = {prefix + name.upper() for name in cls.model_fields}
-    others = tuple(p for p in _OWNED_PREFIXES if p != prefix and p.startswith(prefix))
+    owned = (*_OWNED_PREFIXES, *_HANDLER_SETTINGS)
+    others = tuple(p for p in owned if p != prefix and p.startswith(prefix))
     problems = []
     for name in sorted(environ):
         upper = name.upper()
@@ -236,8 +276,14 @@ def check_environment(cls: type[BaseSettings]) -> None:
     """Warn about unknown ``WORKER_*`` variables, or refuse them (WORKER_REFUSE_UNKNOWN_VARIABLES).
 
     A typo such as ``WORKER_CONCURENCY=64`` would otherwise change nothing and say nothing.
+    The check of the core settings runs before ``worker run`` imports the handler modules:
+    before it calls a variable unknown, it imports them, so their declared settings
+    (:func:`handler_settings`) are known.
     """
     unknown = unknown_variables(cls)
+    if unknown and cls is Settings:
+        _import_handler_modules()
+        unknown = unknown_variables(cls)
     if not unknown:
         return
     refuse = os.environ.get("WORKER_REFUSE_UNKNOWN_VARIABLES", "").strip().lower()
@@ -248,6 +294,23 @@ def check_environment(cls: type[BaseSettings]) -> None:
     from worker.logs import get_logger
 
     get_logger().warning("unknown WORKER_ variables ignored", variables=unknown)
+
+
+def _import_handler_modules() -> None:
+    """Import the modules of WORKER_HANDLERS, for their declarations; skip what fails.
+
+    A module that cannot be imported declares nothing here; the commands that serve
+    handlers report it (``WORKER_HANDLERS: cannot import ...``).
+    """
+    try:
+        modules = Settings().handler_modules
+    except ValidationError:
+        return
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            continue
 
 
 def describe(exc: ValidationError, cls: type[BaseSettings]) -> str:

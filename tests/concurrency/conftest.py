@@ -8,11 +8,13 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
+from handlers import notify
 from tests.concurrency.concurrency_helpers import MailServer
 
 
 @pytest.fixture
 async def mail_server() -> AsyncIterator[MailServer]:
+    """A mail API on 127.0.0.1; the notify handler in this process posts to it."""
     server = MailServer()
     app = web.Application()
     app.router.add_post("/send", server.handle)
@@ -23,7 +25,9 @@ async def mail_server() -> AsyncIterator[MailServer]:
         sock.bind(("127.0.0.1", 0))
         await web.SockSite(runner, sock).start()
         server.url = f"http://127.0.0.1:{sock.getsockname()[1]}/send"
+        notify.configure(notify.MailSettings(api_url=server.url))
         yield server
     finally:
+        notify.configure(None)
         await runner.cleanup()
         sock.close()

@@ -79,7 +79,7 @@ async def test_sigkill_between_phases(
 
         broker = MemoryBroker()  # the broker's redelivery of the unsettled message
         # the survivor's own call gets room too; it waits for the dead replica's 2 s lease
-        settings = claim_settings(make_settings, mail_server, claim_lease=3, claim_call_timeout=2)
+        settings = claim_settings(make_settings, claim_lease=3, claim_call_timeout=2)
         async with run_pumps([broker.connect()], [engine], mail_registry(), settings) as [pump]:
             broker.publish("welcome-1", "SendWelcomeEmail", BODY)
             await broker.wait_idle(15)

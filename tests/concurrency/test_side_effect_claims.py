@@ -43,9 +43,10 @@ BODY = {"user_id": "u1", "email": "u1@example.com"}
 LOG = get_logger(test="claims")
 
 
-def claim_settings(make_settings: Any, server: MailServer, **overrides: Any) -> Settings:
+def claim_settings(make_settings: Any, **overrides: Any) -> Settings:
+    """Short claim timings. The mail API's URL is the notify handler's own setting, not the
+    worker's: the mail_server fixture hands it to the handler."""
     values: dict[str, Any] = {
-        "mail_api_url": server.url,
         # a local HTTP call takes milliseconds, but a loaded CI machine can stall one for
         # far longer; a call cut by its timeout is a real (counted) failure in these tests
         "claim_lease": 1.5,
@@ -79,7 +80,7 @@ async def test_two_replicas_racing_on_one_message_make_one_call(
 ) -> None:
     mail_server.delay = 0.3  # the first call is still running when the twin arrives
     # a call timeout well above the call's 0.3 s, so a loaded machine does not time it out
-    settings = claim_settings(make_settings, mail_server, claim_lease=1.2, claim_call_timeout=0.9)
+    settings = claim_settings(make_settings, claim_lease=1.2, claim_call_timeout=0.9)
     broker = MemoryBroker()
     engines = [create_engine(database_url), create_engine(database_url)]
     try:
@@ -111,7 +112,7 @@ async def test_a_finished_claim_is_acked_without_a_call(
     engine: AsyncEngine, make_settings: Any, run_pumps: Any, mail_server: MailServer
 ) -> None:
     broker = MemoryBroker()
-    settings = claim_settings(make_settings, mail_server)
+    settings = claim_settings(make_settings)
     async with run_pumps([broker.connect()], [engine], mail_registry(), settings) as [pump]:
         broker.publish("welcome-1", "SendWelcomeEmail", BODY)
         await broker.wait_idle(5)
@@ -129,7 +130,7 @@ async def test_a_live_claim_is_left_to_its_owner_and_nacked_with_a_delay(
         engine, "welcome-1", consumer="welcome-email", state="claimed", lease=timedelta(seconds=30)
     )
     broker = MemoryBroker()
-    settings = claim_settings(make_settings, mail_server, claim_lease=60, claim_call_timeout=5)
+    settings = claim_settings(make_settings, claim_lease=60, claim_call_timeout=5)
     async with run_pumps([broker.connect()], [engine], mail_registry(), settings) as [pump]:
         broker.publish("welcome-1", "SendWelcomeEmail", BODY)
         await eventually(lambda: pump.stats["claim-held"] == 1)
@@ -149,9 +150,7 @@ async def test_waiting_for_a_live_claim_spends_no_delivery(
     )
     broker = MemoryBroker()
     # room for a slow first HTTP call on a loaded machine: a cut call would be a real failure
-    settings = claim_settings(
-        make_settings, mail_server, max_deliveries=1, claim_lease=3, claim_call_timeout=2
-    )
+    settings = claim_settings(make_settings, max_deliveries=1, claim_lease=3, claim_call_timeout=2)
     async with run_pumps([broker.connect()], [engine], mail_registry(), settings) as [pump]:
         broker.publish("welcome-1", "SendWelcomeEmail", BODY)
         await broker.wait_idle(10)
@@ -176,7 +175,7 @@ async def test_a_crash_between_phases_still_ends_in_one_effect(
 
     broker = MemoryBroker()
     engines = [create_engine(database_url), create_engine(database_url)]
-    doomed = claim_settings(make_settings, mail_server, grace_period=0)
+    doomed = claim_settings(make_settings, grace_period=0)
     try:
         async with run_pumps([broker.connect()], engines[:1], mail_registry(hold_first), doomed):
             broker.publish("welcome-1", "SendWelcomeEmail", BODY)
@@ -186,7 +185,7 @@ async def test_a_crash_between_phases_still_ends_in_one_effect(
         assert (claimed.state, claimed.processed_at) == ("claimed", None)
         assert mail_server.calls["welcome-1"] == (1 if cut == "after-call" else 0)
 
-        survivor = claim_settings(make_settings, mail_server)
+        survivor = claim_settings(make_settings)
         async with run_pumps([broker.connect()], engines[1:], mail_registry(), survivor) as [pump]:
             await broker.wait_idle(10)
         [row] = await inbox_rows(engines[1])
@@ -204,7 +203,7 @@ async def test_a_failing_server_is_retried_and_never_marked_processed(
 ) -> None:
     mail_server.fail = 2
     broker = MemoryBroker()
-    settings = claim_settings(make_settings, mail_server)
+    settings = claim_settings(make_settings)
     async with run_pumps([broker.connect()], [engine], mail_registry(), settings) as [pump]:
         broker.publish("welcome-1", "SendWelcomeEmail", BODY)
         await eventually(lambda: mail_server.calls["welcome-1"] >= 1)
@@ -226,7 +225,7 @@ async def test_a_server_failing_for_good_dead_letters_and_leaves_an_unfinished_c
     re-submitting the dead letter (a new delivery of the same id) takes it over and finishes."""
     mail_server.fail = 100
     broker = MemoryBroker()
-    settings = claim_settings(make_settings, mail_server, max_deliveries=3)
+    settings = claim_settings(make_settings, max_deliveries=3)
     async with run_pumps([broker.connect()], [engine], mail_registry(), settings):
         broker.publish("welcome-1", "SendWelcomeEmail", BODY)
         await broker.wait_idle(10)
@@ -264,7 +263,7 @@ async def test_a_hanging_server_times_out_keeps_the_claim_and_is_called_again_af
     within the 1.5 s lease. The second call comes only once the lease is over."""
     mail_server.hang, mail_server.hang_for = 1, 1.2
     broker = MemoryBroker()
-    settings = claim_settings(make_settings, mail_server)
+    settings = claim_settings(make_settings)
     async with run_pumps([broker.connect()], [engine], mail_registry(), settings) as [pump]:
         broker.publish("welcome-1", "SendWelcomeEmail", BODY)
         await eventually(lambda: pump.stats["call-timeout"] == 1)
@@ -326,7 +325,7 @@ async def test_a_timed_out_call_keeps_its_lease_so_one_key_is_never_called_twice
     async def send(ctx: ClaimContext, message: SendWelcomeEmail) -> str:
         return await provider.call(ctx.idempotency_key)
 
-    settings = claim_settings(make_settings, mail_server, claim_lease=0.8, claim_call_timeout=0.15)
+    settings = claim_settings(make_settings, claim_lease=0.8, claim_call_timeout=0.15)
     broker = MemoryBroker()
     engines = [create_engine(database_url), create_engine(database_url)]
     try:
@@ -354,7 +353,7 @@ async def test_a_refusing_server_dead_letters_at_once(
     mail_server.fail, mail_server.fail_status = 1, 422
     broker = MemoryBroker()
     async with run_pumps(
-        [broker.connect()], [engine], mail_registry(), claim_settings(make_settings, mail_server)
+        [broker.connect()], [engine], mail_registry(), claim_settings(make_settings)
     ):
         broker.publish("welcome-1", "SendWelcomeEmail", BODY)
         await broker.wait_idle(5)
@@ -465,7 +464,7 @@ async def test_a_call_cut_by_shutdown_keeps_its_lease_and_stays_unfinished(
     """Cancelled mid-call: nothing is released or marked; the lease runs out, then a takeover."""
     mail_server.hang, mail_server.hang_for = 1, 1.0
     broker = MemoryBroker()
-    settings = claim_settings(make_settings, mail_server, grace_period=0, claim_call_timeout=0.5)
+    settings = claim_settings(make_settings, grace_period=0, claim_call_timeout=0.5)
     pump = Pump(broker.connect(), engine, mail_registry(), settings)
     task = asyncio.create_task(pump.run())
     broker.publish("welcome-1", "SendWelcomeEmail", BODY)
@@ -493,7 +492,7 @@ async def test_the_idempotency_key_is_the_message_id_on_every_delivery(
     broker = MemoryBroker()
     headers = {"correlation_id": "conversation-7"}
     async with run_pumps(
-        [broker.connect()], [engine], mail_registry(), claim_settings(make_settings, mail_server)
+        [broker.connect()], [engine], mail_registry(), claim_settings(make_settings)
     ):
         broker.publish("welcome-1", "SendWelcomeEmail", BODY, headers)
         await broker.wait_idle(10)

@@ -10,6 +10,7 @@ import pytest
 from pydantic_settings import BaseSettings
 from structlog.testing import capture_logs
 
+from handlers.notify import MailSettings
 from tests.support.processes import REPO, clean_env, json_lines, run_cli
 from worker.brokers.kafka import KafkaSettings
 from worker.brokers.rabbitmq import RabbitMQSettings
@@ -24,6 +25,7 @@ SETTINGS_CLASSES: list[type[BaseSettings]] = [
     KafkaSettings,
     ServiceBusSettings,
     OutboxSettings,
+    MailSettings,  # a shipped handler's (WORKER_MAIL_*), declared with handler_settings
 ]
 
 
