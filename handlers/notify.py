@@ -15,9 +15,8 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from worker.claims import ClaimContext, side_effect
-from worker.errors import ConfigurationError, Poison, Retry
-from worker.settings import handler_settings, load
+from worker import ClaimContext, ConfigurationError, Poison, Retry, handler_settings, side_effect
+from worker import load_settings as load
 
 # The provider may succeed later on these; any other 4xx will never succeed.
 _TRY_AGAIN = frozenset({408, 409, 425, 429})

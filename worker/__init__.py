@@ -18,6 +18,8 @@ from worker.errors import (
     RowDeleted,
 )
 from worker.registry import Context, Registry, handler, registry
+from worker.settings import handler_settings
+from worker.settings import load as load_settings
 
 __all__ = [
     "Base",
@@ -35,7 +37,9 @@ __all__ = [
     "guarded_delete",
     "guarded_update",
     "handler",
+    "handler_settings",
     "insert_ignoring_conflicts",
+    "load_settings",
     "registry",
     "save",
     "side_effect",
