@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Hashable, Mapping
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from worker.errors import AlreadySettled
+from worker.errors import AlreadySettled, SettlementLost
 from worker.logs import scrub
 
 if TYPE_CHECKING:
@@ -108,3 +108,28 @@ class Delivery:
             f"<Delivery id={self.message_id!r} type={self.type!r} "
             f"count={self.delivery_count} settled={self.settled}>"
         )
+
+
+async def ack_many(deliveries: Sequence[Delivery]) -> list[Delivery]:
+    """Ack deliveries of one settler; returns the ones whose ack was lost.
+
+    An adapter may offer ``ack_many(handles) -> lost handles`` (RabbitMQ: one
+    ``basic.ack(multiple=True)`` where that is safe); without it they are acked one by one.
+    """
+    for delivery in deliveries:
+        delivery._claim("acked")
+    if not deliveries:
+        return []
+    settler = deliveries[0]._settler
+    bulk = getattr(settler, "ack_many", None)
+    if bulk is not None and all(d._settler is settler for d in deliveries):
+        by_handle = {id(d._handle): d for d in deliveries}
+        lost_handles = await bulk([d._handle for d in deliveries])
+        return [by_handle[id(h)] for h in lost_handles]
+    lost = []
+    for delivery in deliveries:
+        try:
+            await delivery._settler.ack(delivery._handle)
+        except SettlementLost:
+            lost.append(delivery)
+    return lost

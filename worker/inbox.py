@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 
 from sqlalchemy import (
@@ -160,3 +161,52 @@ async def mark(session: AsyncSession, message_id: str, consumer: str) -> None:
 async def seen(session: AsyncSession, message_id: str, consumer: str) -> bool:
     """The fast path for redeliveries. Never the guarantee: the constraint is."""
     return (await session.execute(_EXISTS, {"m": message_id, "c": consumer})).first() is not None
+
+
+# Batch mode (worker/batch.py): one statement marks many messages and reports which are
+# new. The ids arrive sorted, so two batches sharing ids take their keys in one order and
+# cannot deadlock on each other's markers. ON CONFLICT DO NOTHING still waits for a
+# concurrent uncommitted insert of the same key (rule 7), then reports it not new.
+_MARK_MANY_POSTGRES = text(
+    "INSERT INTO inbox (message_id, consumer) "
+    "SELECT m, :c FROM unnest(CAST(:ids AS varchar[])) AS m "
+    f"ON CONFLICT ON CONSTRAINT {INBOX_CONSTRAINT} DO NOTHING RETURNING message_id"
+)
+# SQLite: "WHERE true" tells the parser the ON CONFLICT is the upsert, not a join's ON.
+_MARK_MANY_SQLITE = text(
+    "INSERT INTO inbox (message_id, consumer) SELECT value, :c FROM json_each(:ids) WHERE true "
+    "ON CONFLICT (message_id, consumer) DO NOTHING RETURNING message_id"
+)
+_SET_LOCK_TIMEOUT = text(
+    "WITH previous AS MATERIALIZED (SELECT current_setting('lock_timeout') AS value) "
+    "SELECT previous.value, set_config('lock_timeout', :t, true) FROM previous"
+)
+_RESTORE_LOCK_TIMEOUT = text("SELECT set_config('lock_timeout', :previous, true)")
+_UNMARK = text("DELETE FROM inbox WHERE message_id = :m AND consumer = :c")
+
+
+async def mark_many(
+    session: AsyncSession, message_ids: list[str], consumer: str, lock_timeout_ms: int | None
+) -> set[str]:
+    """Insert markers for distinct ``message_ids``; returns the ids that were new.
+
+    ``lock_timeout_ms`` (PostgreSQL): wait at most that long for a concurrent holder of
+    one of the keys, as a redelivery's marker does, then fail with SQLSTATE 55P03.
+    """
+    ordered = sorted(message_ids)
+    if session.get_bind().dialect.name != "postgresql":
+        rows = await session.execute(_MARK_MANY_SQLITE, {"c": consumer, "ids": json.dumps(ordered)})
+        return set(rows.scalars())
+    if lock_timeout_ms is None:
+        rows = await session.execute(_MARK_MANY_POSTGRES, {"c": consumer, "ids": ordered})
+        return set(rows.scalars())
+    previous = (await session.execute(_SET_LOCK_TIMEOUT, {"t": f"{lock_timeout_ms}ms"})).one()[0]
+    rows = await session.execute(_MARK_MANY_POSTGRES, {"c": consumer, "ids": ordered})
+    new = set(rows.scalars())
+    await session.execute(_RESTORE_LOCK_TIMEOUT, {"previous": previous})
+    return new
+
+
+async def unmark(session: AsyncSession, message_id: str, consumer: str) -> None:
+    """Take back a marker this transaction inserted (a batch member whose handler failed)."""
+    await session.execute(_UNMARK, {"m": message_id, "c": consumer})

@@ -79,6 +79,9 @@ _UNEXPECTED = Verdict(Verb.NACK, Outcome.NACKED, "unexpected error")
 
 _Decoded = dict[type[BaseModel], BaseModel]
 
+_MAX_BATCH_PREFETCH = 8192
+"""Unsettled deliveries batch mode may hold at most: 64 workers x 64 fit, RSS stays bounded."""
+
 
 class Pump:
     """Consume from one broker with ``settings.concurrency`` workers until stopped."""
@@ -134,7 +137,11 @@ class Pump:
         behind a busy key hold broker credit without a worker: three times the workers
         leaves other keys room until one key has twice the workers waiting in a row."""
         concurrency = self.settings.concurrency
-        return 3 * concurrency if self.registry.keyed else concurrency
+        unsettled = 3 * concurrency if self.registry.keyed else concurrency
+        size = self.settings.batch_size
+        if size > 1:  # every worker's batch, plus one batch filling (docs/batch.md)
+            unsettled = max(unsettled, min((concurrency + 1) * size, _MAX_BATCH_PREFETCH))
+        return unsettled
 
     def stop(self) -> None:
         """Ask for a graceful stop; :meth:`run` returns once in-flight work is settled."""
@@ -151,7 +158,7 @@ class Pump:
         self.running = True
         self.started.set()
         self._log.info("pump started", concurrency=concurrency, types=self.registry.message_types)
-        workers = [asyncio.create_task(self._work()) for _ in range(concurrency)]
+        workers = self._start_workers(concurrency)
         chores = retention.start(
             self._engine, self._sessions, self.registry, self.settings, self._log
         )
@@ -162,6 +169,16 @@ class Pump:
                 chores.cancel()
                 await asyncio.gather(chores, return_exceptions=True)
             await self._shutdown(workers)
+
+    def _start_workers(self, concurrency: int) -> list[asyncio.Task[None]]:
+        if self.settings.batch_size == 1:
+            return [asyncio.create_task(self._work()) for _ in range(concurrency)]
+        from worker.batch import BatchRunner  # batch mode only: not imported otherwise
+
+        batches = BatchRunner(self)
+        intake = asyncio.create_task(batches.intake(), name="batch-intake")
+        self._idle.add(intake)  # never in flight: shutdown cancels it with the idle workers
+        return [intake, *(asyncio.create_task(batches.work()) for _ in range(concurrency))]
 
     async def _shutdown(self, workers: list[asyncio.Task[None]]) -> None:
         # Order matters: stop taking work, let in-flight work finish within the

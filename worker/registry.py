@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Awaitable, Callable, Hashable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar, overload
 
 from pydantic import BaseModel
 
@@ -77,11 +77,77 @@ class Context:
         )
 
 
+class BatchContext:
+    """What a batch handler gets: the pump's session and the facts of every message in it.
+
+    ``message_ids``, ``delivery_counts`` and ``headers`` run parallel to the messages;
+    ``message(i)`` is the i-th message's own :class:`Context` (for ``publish``).
+    """
+
+    __slots__ = (
+        "_contexts",
+        "attempt",
+        "consumer",
+        "delivery_counts",
+        "headers",
+        "message_ids",
+        "session",
+    )
+
+    def __init__(
+        self,
+        session: PumpSession,
+        consumer: str,
+        attempt: int,
+        message_ids: list[str],
+        delivery_counts: list[int],
+        headers: list[Any],
+    ) -> None:
+        self._contexts: list[Context | None] = [None] * len(message_ids)
+        self.session = session
+        self.consumer = consumer
+        self.attempt = attempt
+        self.message_ids = message_ids
+        self.delivery_counts = delivery_counts
+        self.headers = headers
+
+    @classmethod
+    def of(cls, context: Context) -> BatchContext:
+        """A batch of one: how a batch handler runs one message at a time."""
+        batch = cls(
+            context.session,
+            context.consumer,
+            context.attempt,
+            [context.message_id],
+            [context.delivery_count],
+            [context.headers],
+        )
+        batch._contexts[0] = context
+        return batch
+
+    def message(self, index: int) -> Context:
+        context = self._contexts[index]
+        if context is None:
+            context = self._contexts[index] = Context(
+                self.session,
+                self.message_ids[index],
+                self.consumer,
+                self.delivery_counts[index],
+                self.attempt,
+                self.headers[index],
+            )
+        return context
+
+
 HandlerFunc = Callable[[Context, M], Awaitable[None]]
+BatchHandlerFunc = Callable[[BatchContext, Sequence[M]], Awaitable[None]]
 
 
 @dataclass(frozen=True, slots=True)
 class Handler(Generic[M]):
+    """One registered handler. ``func`` always takes one message; for a batch handler it
+    calls ``batch`` with a one-element list, so every per-message path runs it unchanged."""
+
     message_type: str
     model: type[M]
     func: HandlerFunc[M]
@@ -89,6 +155,12 @@ class Handler(Generic[M]):
     inbox: bool
     side_effect: bool = False
     key: Callable[[M], Hashable] | None = None
+    batch: BatchHandlerFunc[M] | None = None
+
+    @property
+    def batchable(self) -> bool:
+        """Whether batch mode may run it inside a shared transaction (claims and keys: no)."""
+        return not self.side_effect and self.key is None
 
 
 class Registry:
@@ -96,6 +168,32 @@ class Registry:
 
     def __init__(self) -> None:
         self._by_type: dict[str, tuple[Handler[Any], ...]] = {}
+
+    @overload
+    def handler(
+        self,
+        message_type: str,
+        model: type[M],
+        *,
+        consumer: str | None = None,
+        inbox: bool = True,
+        side_effect: bool = False,
+        key: Callable[[M], Hashable] | None = None,
+        batch: Literal[False] = False,
+    ) -> Callable[[HandlerFunc[M]], HandlerFunc[M]]: ...
+
+    @overload
+    def handler(
+        self,
+        message_type: str,
+        model: type[M],
+        *,
+        consumer: str | None = None,
+        inbox: bool = True,
+        side_effect: bool = False,
+        key: Callable[[M], Hashable] | None = None,
+        batch: Literal[True],
+    ) -> Callable[[BatchHandlerFunc[M]], BatchHandlerFunc[M]]: ...
 
     def handler(
         self,
@@ -106,7 +204,8 @@ class Registry:
         inbox: bool = True,
         side_effect: bool = False,
         key: Callable[[M], Hashable] | None = None,
-    ) -> Callable[[HandlerFunc[M]], HandlerFunc[M]]:
+        batch: bool = False,
+    ) -> Callable[[Any], Any]:
         """Register ``func`` for ``message_type``.
 
         ``consumer`` names the inbox marker; it defaults to the function's
@@ -122,15 +221,29 @@ class Registry:
         writers of one row then queue instead of colliding on its version token.
         Keys are shared across message types, so two types that write the same row
         should return the same key for it.
+
+        ``batch=True`` registers a batch handler, ``async def f(ctx: BatchContext,
+        messages: Sequence[Model])``, for set-based SQL over many messages in one
+        transaction (WORKER_BATCH_SIZE, docs/batch.md). It is called with a one-element
+        list outside batch mode and when a failed batch falls back to one at a time.
         """
         if side_effect and not inbox:
             raise ConfigurationError(f"{message_type}: a side-effect handler needs the inbox")
 
-        def register(func: HandlerFunc[M]) -> HandlerFunc[M]:
+        def register(func: Any) -> Any:
             name = consumer or f"{func.__module__}.{func.__qualname__}"
             if name in self.consumers():
                 raise ConfigurationError(f"consumer name {name!r} is registered twice")
-            entry: Handler[M] = Handler(message_type, model, func, name, inbox, side_effect, key)
+            if batch and (side_effect or key is not None):
+                what = "side_effect=True" if side_effect else "key="
+                raise ConfigurationError(
+                    f"handler {name!r}: batch=True cannot be combined with {what} "
+                    "(claims and keyed handlers run one message at a time)"
+                )
+            one = _one_at_a_time(func) if batch else func
+            entry: Handler[M] = Handler(
+                message_type, model, one, name, inbox, side_effect, key, func if batch else None
+            )
             self._by_type[message_type] = (*self._by_type.get(message_type, ()), entry)
             return func
 
@@ -153,6 +266,13 @@ class Registry:
 
     def __iter__(self) -> Iterator[Handler[Any]]:
         return (h for group in self._by_type.values() for h in group)
+
+
+def _one_at_a_time(batch: BatchHandlerFunc[M]) -> HandlerFunc[M]:
+    async def one(context: Context, message: M) -> None:
+        await batch(BatchContext.of(context), [message])
+
+    return one
 
 
 registry = Registry()

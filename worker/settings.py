@@ -65,6 +65,20 @@ class Settings(BaseSettings):
     retry_backoff_max: float = Field(1.0, ge=0, description="Cap of the jittered backoff, seconds.")
     grace_period: float = Field(25.0, ge=0, description="Seconds in-flight work gets at shutdown.")
     fast_path: bool = Field(True, description="Check the inbox before running a redelivery.")
+    # -- batch mode (docs/batch.md) --
+    batch_size: int = Field(
+        1,
+        ge=1,
+        le=1000,
+        description="Deliveries of one type (and group) run in one transaction; 1: batch mode off.",
+    )
+    batch_wait: float = Field(
+        0.005,
+        ge=0,
+        le=5,
+        description="Seconds a batch may wait to fill. Under load batches fill from the "
+        "prefetched deliveries at once; on a quiet queue this is the latency added per message.",
+    )
     # -- version tokens, side-effect claims, inbox retention (docs/concurrency.md) --
     claim_lease: float = Field(
         60.0,

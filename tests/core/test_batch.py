@@ -1,0 +1,313 @@
+"""Batch mode (worker/batch.py) on SQLite and PostgreSQL with the memory broker: exactly once,
+one message's failure stays its own, whole-transaction failures retry then fall back without
+spending innocent messages' delivery counts, and the settings and registrations it refuses."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from sqlalchemy import Numeric, bindparam, select, text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from handlers.credit import Account, CreditRequested, apply_credit
+from worker.brokers.memory import MemoryBroker
+from worker.errors import ConfigurationError, Poison
+from worker.inbox import InboxMarker
+from worker.registry import BatchContext, Context, Registry
+from worker.settings import Settings, load, unknown_variables
+
+ACCOUNTS = 40
+
+
+def body(account: str, amount: str | Decimal) -> bytes:
+    return f'{{"account_id": "{account}", "amount": "{amount}"}}'.encode()
+
+
+async def balances(engine: AsyncEngine) -> dict[str, Decimal]:
+    async with engine.connect() as connection:
+        rows = await connection.execute(select(Account.id, Account.balance))
+        return {row[0]: Decimal(row[1]) for row in rows}
+
+
+async def marker_counts(engine: AsyncEngine) -> Counter[str]:
+    async with engine.connect() as connection:
+        rows = await connection.execute(select(InboxMarker.message_id))
+        return Counter(rows.scalars())
+
+
+def history(broker: MemoryBroker, message_id: str) -> list[tuple[str, int]]:
+    return [(verb, count) for verb, mid, count in broker.history if mid == message_id]
+
+
+_UPSERT = text(
+    "INSERT INTO accounts (id, balance, version) VALUES (:a, :x, 1) "
+    "ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + excluded.balance, "
+    "version = accounts.version + 1"
+).bindparams(bindparam("x", type_=Numeric(18, 2)))
+
+
+async def upsert_credits(ctx: BatchContext, messages: Sequence[CreditRequested]) -> None:
+    """A set-based batch handler: one atomic upsert per account, accounts in a fixed order."""
+    totals: dict[str, Decimal] = defaultdict(Decimal)
+    for message in messages:
+        totals[message.account_id] += message.amount
+    for account, amount in sorted(totals.items()):
+        await ctx.session.execute(_UPSERT, {"a": account, "x": amount})
+
+
+def credit_registry(shape: str) -> Registry:
+    registry = Registry()
+    if shape == "orm":  # the reference handler, unchanged, without a key: one savepoint each
+        registry.handler("Credit", CreditRequested, consumer="credit")(apply_credit)
+    else:
+        registry.handler("Credit", CreditRequested, consumer="credit", batch=True)(upsert_credits)
+    return registry
+
+
+# -- exactly once ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", ["orm", "set-based"])
+async def test_two_batch_pumps_apply_every_credit_once(
+    engine: AsyncEngine, make_settings: Any, run_pumps: Any, shape: str
+) -> None:
+    settings = make_settings(batch_size=8, batch_wait=0.02, concurrency=3)
+    broker = MemoryBroker()
+    expected: dict[str, Decimal] = defaultdict(Decimal)
+    ids = []
+    async with run_pumps(
+        [broker.connect(), broker.connect()], [engine], credit_registry(shape), settings
+    ) as pumps:
+        for n in range(120):
+            account, amount = f"acct-{n % ACCOUNTS}", Decimal(n % 7 + 1)
+            expected[account] += amount
+            ids.append(f"m-{n}")
+            raw = body(account, amount)
+            if n % 10 == 0:  # a producer retry: both copies in the same batch, most likely
+                broker.publish(f"m-{n}", "Credit", raw, copies=2)
+            elif n % 10 == 1:  # one copy to each pump at once
+                broker.publish(f"m-{n}", "Credit", raw, to_all=True)
+            elif n % 10 == 2:  # the ack after the commit is lost: a redelivery later
+                broker.publish(f"m-{n}", "Credit", raw, lose_acks=1)
+            else:
+                broker.publish(f"m-{n}", "Credit", raw)
+        for n in range(3, 120, 10):  # the same ids again, long after: across batches
+            broker.publish(f"m-{n}", "Credit", body(f"acct-{n % ACCOUNTS}", Decimal(n % 7 + 1)))
+        await broker.wait_idle(30)
+    assert await balances(engine) == expected
+    assert await marker_counts(engine) == Counter(ids)  # one marker per message
+    assert broker.dead_letters == []
+    committed = sum(p.stats["committed"] for p in pumps)
+    assert committed == 120
+    assert sum(p.stats["duplicates-in-batch"] + p.stats["duplicates-batch"] for p in pumps) > 0
+    assert all(verb == "ack" for verb, _, _ in broker.history)
+
+
+# -- one message's failure stays its own ------------------------------------------------
+
+
+def failing_registry(sessions: list[int]) -> Registry:
+    registry = Registry()
+
+    @registry.handler("Credit", CreditRequested, consumer="credit")
+    async def credit(ctx: Context, message: CreditRequested) -> None:
+        sessions.append(id(ctx.session))
+        await apply_credit(ctx, message)  # written first, so a rollback has something to undo
+        account = message.account_id
+        if account == "poison":
+            raise Poison("amount not allowed")
+        if account == "fails":
+            raise RuntimeError("boom")
+        if account == "order":  # a business unique violation, not the inbox's
+            await ctx.session.execute(text("INSERT INTO orders (id, number) VALUES (2, 'A-1')"))
+
+    return registry
+
+
+async def test_failures_inside_a_batch_stay_their_own(
+    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+) -> None:
+    async with engine.begin() as connection:
+        await connection.execute(
+            text("CREATE TABLE orders (id INTEGER PRIMARY KEY, number VARCHAR(20) UNIQUE)")
+        )
+        await connection.execute(text("INSERT INTO orders (id, number) VALUES (1, 'A-1')"))
+    settings = make_settings(batch_size=5, batch_wait=0.5, concurrency=1, max_deliveries=2)
+    broker = MemoryBroker()
+    for n, account in enumerate(["ok-1", "poison", "fails", "order", "ok-2"]):
+        broker.publish(f"m-{account}", "Credit", body(account, f"{n + 1}.00"))
+    sessions: list[int] = []
+    async with run_pumps([broker.connect()], [engine], failing_registry(sessions), settings) as [
+        pump
+    ]:
+        await broker.wait_idle(20)
+    assert len(set(sessions[:5])) == 1  # the first round shared one transaction
+    assert await balances(engine) == {"ok-1": Decimal("1.00"), "ok-2": Decimal("5.00")}
+    assert set(await marker_counts(engine)) == {"m-ok-1", "m-ok-2"}
+    assert history(broker, "m-ok-1") == [("ack", 1)]
+    assert history(broker, "m-ok-2") == [("ack", 1)]
+    assert history(broker, "m-poison") == [("dead-letter", 1)]
+    assert history(broker, "m-fails") == [("nack", 1), ("dead-letter", 2)]
+    assert history(broker, "m-order") == [("nack", 1), ("dead-letter", 2)]
+    reasons = {d.message.message_id: d.reason for d in broker.dead_letters}
+    assert "amount not allowed" in reasons["m-poison"]
+    assert "RuntimeError: boom" in reasons["m-fails"]
+    assert "IntegrityError" in reasons["m-order"]
+    assert pump.stats["batch-fallback"] == 0  # handled inside the batch, not by falling back
+
+
+# -- whole-transaction failures: retry once, then one at a time ---------------------------
+
+
+@pytest.mark.parametrize("sqlstate", ["40001", "40P01"])
+async def test_a_failing_batch_retries_then_falls_back_without_spending_counts(
+    postgres_only_url: str, make_settings: Any, run_pumps: Any, sqlstate: str
+) -> None:
+    from worker.db import create_engine
+
+    engine = create_engine(postgres_only_url, pool_size=5)
+    calls: list[int] = []
+    registry = Registry()
+
+    @registry.handler("Credit", CreditRequested, consumer="credit", batch=True)
+    async def credit(ctx: BatchContext, messages: Sequence[CreditRequested]) -> None:
+        calls.append(len(messages))
+        await upsert_credits(ctx, messages)
+        if len(messages) > 1:  # every batch loses, as if to another transaction
+            await ctx.session.execute(
+                text(f"DO $$ BEGIN RAISE EXCEPTION 'lost' USING ERRCODE = '{sqlstate}'; END $$")
+            )
+
+    settings = make_settings(
+        database_url=postgres_only_url, batch_size=4, batch_wait=0.5, concurrency=1
+    )
+    broker = MemoryBroker()
+    for n in range(4):
+        broker.publish(f"m-{n}", "Credit", body(f"acct-{n % 2}", "1.00"))
+    try:
+        async with run_pumps([broker.connect()], [engine], registry, settings) as [pump]:
+            await broker.wait_idle(20)
+        assert calls == [4, 4, 1, 1, 1, 1]  # the batch, its retry, then one at a time
+        assert pump.stats["batch-retried"] == 1 and pump.stats["batch-fallback"] == 1
+        assert sorted(broker.history) == [("ack", f"m-{n}", 1) for n in range(4)]
+        assert await balances(engine) == {"acct-0": Decimal(2), "acct-1": Decimal(2)}
+        assert set(await marker_counts(engine)) == {f"m-{n}" for n in range(4)}
+    finally:
+        await engine.dispose()
+
+
+async def test_a_savepoint_that_loses_a_deadlock_runs_again_on_its_own(
+    postgres_only_url: str, make_settings: Any, run_pumps: Any
+) -> None:
+    from worker.db import create_engine
+
+    engine = create_engine(postgres_only_url, pool_size=5)
+    lost: set[str] = set()
+    sessions: dict[str, list[int]] = defaultdict(list)
+    registry = Registry()
+
+    @registry.handler("Credit", CreditRequested, consumer="credit")
+    async def credit(ctx: Context, message: CreditRequested) -> None:
+        sessions[ctx.message_id].append(id(ctx.session))
+        await apply_credit(ctx, message)
+        if ctx.message_id == "m-2" and "m-2" not in lost:
+            lost.add("m-2")
+            await ctx.session.execute(
+                text("DO $$ BEGIN RAISE EXCEPTION 'deadlock' USING ERRCODE = '40P01'; END $$")
+            )
+
+    settings = make_settings(
+        database_url=postgres_only_url, batch_size=4, batch_wait=0.5, concurrency=1
+    )
+    broker = MemoryBroker()
+    for n in range(4):
+        broker.publish(f"m-{n}", "Credit", body(f"acct-{n}", "1.00"))
+    try:
+        async with run_pumps([broker.connect()], [engine], registry, settings) as [pump]:
+            await broker.wait_idle(20)
+        assert sorted(broker.history) == [("ack", f"m-{n}", 1) for n in range(4)]
+        assert await balances(engine) == {f"acct-{n}": Decimal(1) for n in range(4)}
+        assert len(sessions["m-2"]) == 2 and sessions["m-2"][0] == sessions["m-0"][0]
+        assert pump.stats["batch-deferred"] == 1 and pump.stats["batch-fallback"] == 0
+    finally:
+        await engine.dispose()
+
+
+# -- refusals ------------------------------------------------------------------------------
+
+
+def test_a_batch_handler_cannot_be_a_side_effect_or_keyed() -> None:
+    registry = Registry()
+    with pytest.raises(ConfigurationError, match=r"'notify'.*side_effect"):
+        registry.handler("N", CreditRequested, consumer="notify", batch=True, side_effect=True)(
+            upsert_credits
+        )
+    with pytest.raises(ConfigurationError, match=r"'keyed'.*key="):
+        registry.handler(
+            "K", CreditRequested, consumer="keyed", batch=True, key=lambda m: m.account_id
+        )(upsert_credits)
+    assert list(registry) == []
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [("WORKER_BATCH_SIZE", "0"), ("WORKER_BATCH_SIZE", "many"), ("WORKER_BATCH_WAIT", "-1")],
+)
+def test_bad_batch_settings_are_one_line_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigurationError) as refused:
+        load(Settings, check=False)
+    message = str(refused.value)
+    assert message.startswith(f"{variable}=") and "\n" not in message
+
+
+def test_batch_settings_are_known_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORKER_BATCH_SIZE", "64")
+    monkeypatch.setenv("WORKER_BATCH_WAIT", "0.01")
+    settings = load(Settings, check=False)
+    assert (settings.batch_size, settings.batch_wait) == (64, 0.01)
+    assert unknown_variables(Settings, {"WORKER_BATCH_SIZE": "64", "WORKER_BATCH_WAIT": "1"}) == []
+    monkeypatch.delenv("WORKER_BATCH_SIZE")
+    assert Settings().batch_size == 1  # off unless asked for
+
+
+async def test_a_batch_handler_outside_batch_mode_gets_one_message(
+    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+) -> None:
+    sizes: list[int] = []
+    registry = Registry()
+
+    @registry.handler("Credit", CreditRequested, consumer="credit", batch=True)
+    async def credit(ctx: BatchContext, messages: Sequence[CreditRequested]) -> None:
+        sizes.append(len(messages))
+        assert ctx.message_ids == [ctx.message(0).message_id]
+        await upsert_credits(ctx, messages)
+
+    broker = MemoryBroker()
+    async with run_pumps([broker.connect()], [engine], registry, make_settings()):
+        for n in range(3):
+            broker.publish(f"m-{n}", "Credit", body("a", "1"))
+        await broker.wait_idle(10)
+    assert sizes == [1, 1, 1]
+    assert await balances(engine) == {"a": Decimal(3)}
+
+
+async def test_batch_mode_prefetch_fills_every_worker(make_settings: Any) -> None:
+    from worker.db import create_engine
+    from worker.pump import Pump
+
+    engine = create_engine("sqlite+aiosqlite:///unused.db")
+    try:
+        registry = credit_registry("orm")
+        settings = make_settings(concurrency=64, batch_size=64)
+        assert Pump(MemoryBroker().connect(), engine, registry, settings).prefetch == 65 * 64
+        off = make_settings(concurrency=64)
+        assert Pump(MemoryBroker().connect(), engine, registry, off).prefetch == 64
+    finally:
+        await engine.dispose()
