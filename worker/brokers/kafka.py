@@ -29,7 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import socket
 import time
+import uuid
 from collections import deque
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
@@ -59,6 +62,7 @@ from aiokafka.errors import (  # type: ignore[import-untyped]
 from aiokafka.helpers import create_ssl_context  # type: ignore[import-untyped]
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from sqlalchemy import event
 
 from worker.brokers import (
     DEFAULT_SCAN,
@@ -66,14 +70,19 @@ from worker.brokers import (
     DeadLetterInfo,
     IdentityFunc,
     OutgoingMessage,
+    kafka_offsets,
     load_identity,
 )
+from worker.brokers.kafka_offsets import Fenced
 from worker.delivery import Delivery
 from worker.errors import BrokerUnavailable, ConfigurationError, SettlementLost
 from worker.logs import get_logger
 from worker.settings import load
 
 if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+    from sqlalchemy.orm import Session
+
     from worker.settings import Settings
 
 DLT_TOPIC = "dlt-original-topic"
@@ -88,6 +97,12 @@ _DLT_PREFIX = "dlt-"
 _MAX_REASON = 2000
 _FETCH_WAIT_MS = 200
 _REDUCED_KEY_MAX = 1024  # a reduced dead letter keeps the original key up to this size
+# WORKER_DELIVERY_COUNTS=database: offsets recorded as "may be started" a block ahead of
+# what is handed out (one write per block); after a crash, the next owner counts the
+# deliveries of at most this many records (plus the buffer) in the database.
+_RESERVE_AHEAD = 200
+_PENDING = "worker.kafka.offsets"  # session.info: partition -> _Pending
+_LISTENING = "worker.kafka.offsets.listening"  # session.info: the before-commit step is set
 
 # Produce errors that come back the same on every retry of the same record: the
 # record (too large, malformed) or the permissions are at fault, not the network.
@@ -156,6 +171,11 @@ class KafkaSettings(BaseSettings):
         50 * 1024 * 1024, ge=1024, description="Bytes one fetch asks for in all."
     )
     idempotent_producer: bool = Field(True, description="Idempotent dead-letter producer.")
+    offsets: Literal["broker", "database"] = Field(
+        "broker",
+        description="broker: offsets committed to Kafka; database: stored in the handler's "
+        "transaction (consumer_offsets), Kafka commits only for lag monitoring.",
+    )
     ordering: Literal["partition", "key"] = Field(
         "partition",
         description="partition: one record per partition at a time; key: one per key.",
@@ -318,11 +338,14 @@ class _Partition:
     """What this member knows about one partition it owns, for one assignment."""
 
     __slots__ = (
+        "batch",
         "busy",
         "bytes",
+        "claimed",
         "committed",
         "done",
         "generation",
+        "handed",
         "idle",
         "inflight",
         "keyed",
@@ -330,14 +353,24 @@ class _Partition:
         "not_before",
         "owned",
         "records",
+        "refetch",
+        "reserved",
+        "reserving",
         "rewind",
+        "rewind_to",
         "settled",
+        "slot",
         "span",
+        "stored",
+        "suspect_through",
         "tp",
         "window",
+        "windowed",
     )
 
-    def __init__(self, tp: Any, generation: int, keyed: bool = False, span: int = 500) -> None:
+    def __init__(
+        self, tp: Any, generation: int, keyed: bool = False, span: int = 500, batch: int = 1
+    ) -> None:
         self.tp = tp
         self.generation = generation  # of the group, when this member got the partition
         self.records: deque[Any] = deque()  # fetched, not handed out (again) yet
@@ -357,6 +390,20 @@ class _Partition:
         self.keys: dict[bytes | None, int] = {}  # key -> the offset that holds it
         self.not_before: dict[int, float] = {}  # nacked offset -> when it may go again
         self.span = span  # records handed out lie within this many of the commit point
+        # Partition order with batches: up to ``batch`` contiguous records out at once.
+        self.batch = 1 if keyed else max(1, batch)
+        self.windowed = keyed or self.batch > 1  # several out: track the settled prefix
+        self.rewind_to: int | None = None  # the offset the pending rewind seeks to
+        # Database offsets and counts (worker.brokers.kafka_offsets): the partition's row
+        # as this member claimed it; nothing is handed out before the claim.
+        self.claimed = True
+        self.refetch: int | None = None  # fetched before the claim, dropped: read it again
+        self.slot: kafka_offsets.Slot | None = None
+        self.stored: int | None = None  # the offset this member last stored
+        self.suspect_through = -1  # offsets up to here may have been started before
+        self.reserved = -1  # offsets up to here are recorded as possibly started
+        self.reserving = False
+        self.handed = -1  # the highest offset handed out
 
     @property
     def size(self) -> int:
@@ -371,7 +418,7 @@ class _Partition:
         for record in records:
             self.records.append(record)
             self.bytes += _size(record)
-            if self.keyed:
+            if self.windowed:
                 self.window.append(record.offset)
 
     def pop(self) -> Any:
@@ -425,6 +472,21 @@ class _Partition:
         self.bytes += _size(record)
         self.not_before[record.offset] = due
 
+    def prefix_with(self, offsets: Iterable[int]) -> int | None:
+        """The commit point if ``offsets`` (one transaction's records) settled too.
+
+        None: that transaction's records do not extend the settled prefix.
+        """
+        mine = set(offsets)
+        if not self.windowed:  # one record out at a time: it is the prefix's next one
+            return max(mine) + 1
+        end = None
+        for offset in self.window:
+            if offset not in self.done and offset not in mine:
+                break
+            end = offset + 1
+        return end
+
     def settle(self, record: Any) -> None:
         """Release the record's key; the commit point moves over the settled prefix."""
         if self.keys.get(record.key) == record.offset:
@@ -452,6 +514,29 @@ class _Handle:
         self.record = record
         self.attempt = attempt
         self.message_id = message_id
+
+
+class _Pending:
+    """One partition's records in one transaction, and the offset already written for them."""
+
+    __slots__ = ("offsets", "written")
+
+    def __init__(self, offsets: set[int]) -> None:
+        self.offsets = offsets
+        self.written: int | None = None
+
+
+class _Store:
+    """``Delivery.in_transaction`` of a record when offsets live in the database."""
+
+    __slots__ = ("broker", "handle")
+
+    def __init__(self, broker: KafkaBroker, handle: _Handle) -> None:
+        self.broker = broker
+        self.handle = handle
+
+    async def __call__(self, session: AsyncSession) -> None:
+        await self.broker._store_in(self.handle, session)
 
 
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -499,6 +584,14 @@ class KafkaBroker:
             None if limit is None else float(limit) + retries + kafka.watchdog_margin
         )
         self._left = False  # out of the group because a record is overdue
+        # Offsets and delivery counts in the database (worker.brokers.kafka_offsets).
+        self._database = kafka.offsets == "database"
+        self._counting = getattr(settings, "delivery_counts", "broker") == "database"
+        self._batch = max(1, int(getattr(settings, "batch_size", 1) or 1))  # WORKER_BATCH_SIZE
+        self._engine: AsyncEngine | None = None
+        here = f"{socket.gethostname()}/{os.getpid()}"
+        self._owner = f"{kafka.client_id}@{here}/{uuid.uuid4().hex[:6]}"  # the row says who
+        self._chores: set[asyncio.Task[None]] = set()  # claims and reservations under way
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -528,6 +621,11 @@ class KafkaBroker:
         """Join the group. ``prefetch`` is moot: one record per partition (or key) is in flight."""
         kafka = self.kafka
         options = kafka.client_options()
+        if (self._database or self._counting) and self._engine is None:
+            # before the consumer starts: its first assignment claims rows
+            from worker.db import create_engine
+
+            self._engine = create_engine(self.settings.database_url, pool_size=2, max_overflow=2)
         self._consumer = AIOKafkaConsumer(
             group_id=kafka.group_id,
             enable_auto_commit=False,
@@ -587,8 +685,12 @@ class KafkaBroker:
         self._partitions.clear()
         for partition in partitions:
             self._disown(partition)
+        for chore in list(self._chores):
+            chore.cancel()
+        await asyncio.gather(*self._chores, return_exceptions=True)
         if self._consumer is not None and partitions:
             await self._commit(partitions)
+            await self._hand_over(partitions)
         await self._stop_clients()
         self._log.info("kafka consumer closed")
 
@@ -615,6 +717,9 @@ class KafkaBroker:
                 # With the broker away, aiokafka's fetcher lets the cancellation of
                 # its own retry task escape stop(); it is not ours to propagate.
                 self._log.warning("kafka client did not stop cleanly", error="cancelled inside")
+        if self._engine is not None:
+            await self._engine.dispose()
+            self._engine = None
 
     # -- the flow of records ----------------------------------------------------
 
@@ -640,6 +745,10 @@ class KafkaBroker:
                 partition = self._partitions.get(tp)
                 if partition is None or partition.rewind is not None or not records:
                     continue  # revoked, or about to seek back: fetched again later
+                if not partition.claimed:  # paused at assignment; a fetch under way came anyway
+                    first = records[0].offset
+                    partition.refetch = first if partition.refetch is None else partition.refetch
+                    continue
                 if not partition.records and partition.settled is None:
                     self._forget_attempts_before(tp, records[0].offset)
                 partition.push(records)
@@ -654,7 +763,7 @@ class KafkaBroker:
         want = {
             tp
             for tp, p in self._partitions.items()
-            if p.rewind is not None or p.size >= limit or p.bytes >= room
+            if p.rewind is not None or not p.claimed or p.size >= limit or p.bytes >= room
         }
         paused = set(consumer.paused())
         if want - paused:
@@ -666,9 +775,14 @@ class KafkaBroker:
     def _offerable(self, partition: _Partition) -> bool:
         if not partition.owned or partition.rewind is not None or not partition.records:
             return False
+        if not partition.claimed:
+            return False
+        if self._counting and partition.records[-1].offset > partition.reserved:
+            self._reserve(partition)  # hand out only what the next owner would know of
+            return False
         if partition.keyed:
             return partition.next_index(time.monotonic()) is not None
-        return not partition.busy
+        return partition.inflight < partition.batch
 
     def _offer(self, partition: _Partition) -> None:
         if self._offerable(partition) and partition not in self._ready:
@@ -686,6 +800,9 @@ class KafkaBroker:
         partition.busy = True
         partition.idle.clear()
         attempt = self._attempts.get(partition.tp, {}).get(record.offset, 0) + 1
+        if record.offset <= partition.suspect_through:
+            attempt = max(attempt, 2)  # may have been started before: counted in the database
+        partition.handed = max(partition.handed, record.offset)
         headers = {key: value.decode("utf-8", "replace") for key, value in _headers(record).items()}
         try:
             message_id = self._identity(record)
@@ -706,9 +823,13 @@ class KafkaBroker:
         if self._overdue_after is not None:
             self._out[handle] = time.monotonic() + self._overdue_after
         body = record.value or b""
-        if partition.keyed:
-            self._offer(partition)  # records of other keys may go at once
-        return Delivery(message_id, message_type, body, headers, attempt, self, handle)
+        if partition.windowed:
+            self._offer(partition)  # records of other keys, or the rest of a batch, may go at once
+        delivery = Delivery(message_id, message_type, body, headers, attempt, self, handle)
+        delivery.group = (record.topic, record.partition)  # batches stay within a partition
+        if self._database:
+            delivery.in_transaction = _Store(self, handle)
+        return delivery
 
     def _returned(self, partition: _Partition) -> None:
         partition.inflight -= 1
@@ -719,7 +840,7 @@ class KafkaBroker:
     def _settled(self, handle: _Handle) -> None:
         partition = handle.partition
         offset = handle.record.offset
-        if partition.keyed:
+        if partition.windowed:
             partition.settle(handle.record)
         else:
             partition.settled = offset + 1
@@ -771,6 +892,12 @@ class KafkaBroker:
         # seek back to it once the backoff is over.
         self._consumer.pause(partition.tp)
         partition.drop()
+        if partition.rewind is not None:  # a batch with several failures: the lowest one wins
+            assert partition.rewind_to is not None
+            if partition.rewind_to <= record.offset:
+                return
+            partition.rewind.cancel()
+        partition.rewind_to = record.offset
         partition.rewind = loop.call_later(delay, self._seek_back, partition, record.offset)
         self._log.debug(
             "rewinding",
@@ -782,6 +909,7 @@ class KafkaBroker:
 
     def _seek_back(self, partition: _Partition, offset: int) -> None:
         partition.rewind = None
+        partition.rewind_to = None
         if partition.owned and not self._stopping:
             self._consumer.seek(partition.tp, offset)
             self._consumer.resume(partition.tp)
@@ -895,6 +1023,8 @@ class KafkaBroker:
         backwards. Such a prefix is not committed; the next owner redoes it.
         """
         async with self._commit_lock:
+            if self._database:
+                await self._store_offsets(partitions)
             generation = self._generation()
             pending = [p for p in partitions if p.settled is not None and p.settled != p.committed]
             stale = [p for p in pending if p.generation != generation or generation < 0]
@@ -920,6 +1050,179 @@ class KafkaBroker:
                     partition.committed = offsets[partition.tp]
             return True
 
+    async def _store_offsets(self, partitions: Sequence[_Partition]) -> None:
+        """Database offsets: move each row over what settled without a commit of its own.
+
+        A handler's transaction stores the offset past its record; duplicates, dead
+        letters and side-effect claims commit nothing of the pump's, so the settled
+        prefix is stored here, every commit interval, at a revocation and at close.
+        Records below it are settled, whoever wrote them; the epoch guard keeps a
+        member that lost the row from writing. A failure only means those records are
+        read again and absorbed as duplicates.
+        """
+        assert self._engine is not None
+        for partition in partitions:
+            slot, settled = partition.slot, partition.settled
+            if slot is None or settled is None or settled <= (partition.stored or -1):
+                continue
+            try:
+                if await kafka_offsets.advance(self._engine, slot, settled):
+                    partition.stored = settled
+                else:
+                    self._fenced(partition, "offset store")
+            except Exception as exc:
+                self._log.warning(
+                    "offset store failed", partition=partition.label, offset=settled, error=exc
+                )
+
+    def _chore(self, work: Any, name: str) -> None:
+        task = asyncio.create_task(work, name=name)
+        self._chores.add(task)
+        task.add_done_callback(self._chores.discard)
+
+    async def _claim(self, partition: _Partition) -> None:
+        """Take the partition's row over, seek to its stored offset, then let records flow.
+
+        Until the claim is in, the partition stays paused: a record handed out before
+        it could be fenced out by the previous owner's last commit, or start from a
+        broker offset older than the stored one.
+        """
+        assert self._engine is not None
+        tp, failures = partition.tp, 0
+        while partition.owned and not self._stopping:
+            try:
+                claim = await kafka_offsets.claim(
+                    self._engine, self.kafka.group_id, tp.topic, tp.partition, self._owner
+                )
+                break
+            except Exception as exc:  # the database is away: the partition waits for it
+                failures += 1
+                self._log.warning(
+                    "offset claim failed", partition=partition.label, error=exc, failures=failures
+                )
+                await asyncio.sleep(min(5.0, 0.1 * 2**failures))
+        else:
+            return
+        if not partition.owned:
+            return
+        group = self.kafka.group_id
+        partition.slot = kafka_offsets.Slot(group, tp.topic, tp.partition, claim.epoch)
+        if self._counting and claim.started_through is not None:
+            partition.suspect_through = claim.started_through
+        target = partition.refetch
+        if self._database and claim.next_offset is not None:
+            target = partition.stored = claim.next_offset
+        if target is not None:
+            self._consumer.seek(tp, target)
+        partition.refetch = None
+        partition.claimed = True
+        self._log.info(
+            "partition claimed",
+            partition=partition.label,
+            epoch=claim.epoch,
+            offset=claim.next_offset,
+            started_through=claim.started_through,
+        )
+        self._flow_control()
+
+    def _reserve(self, partition: _Partition) -> None:
+        if partition.reserving or partition.slot is None:
+            return
+        partition.reserving = True
+        through = partition.records[-1].offset + _RESERVE_AHEAD
+        self._chore(self._reserving(partition, through), f"kafka-reserve-{partition.label}")
+
+    async def _reserving(self, partition: _Partition, through: int) -> None:
+        assert self._engine is not None and partition.slot is not None
+        try:
+            if await kafka_offsets.reserve(self._engine, partition.slot, through):
+                partition.reserved = through
+            else:
+                self._fenced(partition, "reservation")
+        except Exception as exc:
+            self._log.warning("offset reservation failed", partition=partition.label, error=exc)
+            await asyncio.sleep(1.0)
+        finally:
+            partition.reserving = False
+        self._offer(partition)
+
+    async def _hand_over(self, partitions: Sequence[_Partition]) -> None:
+        """A clean revocation: the next owner need not count what was never started."""
+        if not self._counting or self._engine is None:
+            return
+        for partition in partitions:
+            if partition.busy or partition.slot is None:
+                continue
+            try:
+                await kafka_offsets.hand_over(self._engine, partition.slot, partition.handed)
+            except Exception as exc:
+                self._log.warning("hand-over not stored", partition=partition.label, error=exc)
+
+    def _fenced(self, partition: _Partition, where: str) -> None:
+        """Another member claimed the row: stop here, and rejoin if Kafka says it is ours."""
+        if not partition.owned:
+            return
+        self._log.warning(
+            "partition fenced: another member claimed it",
+            partition=partition.label,
+            epoch=partition.slot.epoch if partition.slot else None,
+            where=where,
+        )
+        self._disown(partition)
+        partition.claimed = False  # stays paused until a new assignment claims it again
+        coordinator = getattr(self._consumer, "_coordinator", None)  # no public accessor
+        if coordinator is not None:
+            coordinator.request_rejoin()  # a rebalance settles who owns it
+
+    async def _store_in(self, handle: _Handle, session: AsyncSession) -> None:
+        """The offset past ``handle``'s record, written in the handler's transaction.
+
+        A partition's first record in a session is written at once (taking the row's
+        lock, and failing a fenced member before its commit). More records of that
+        partition in the same session (a batch) only join the pending set, which is
+        written once more just before the commit: one statement per batch, not one
+        per record. Either way the value is the contiguous settled prefix as if this
+        transaction's records were settled, so a failure in the middle of a batch
+        keeps the offset below it.
+        """
+        partition, offset = handle.partition, handle.record.offset
+        info = session.info
+        pending: dict[_Partition, _Pending] | None = info.get(_PENDING)
+        if pending is None:
+            pending = info[_PENDING] = {}
+        entry = pending.get(partition)
+        if entry is not None:
+            entry.offsets.add(offset)
+            if not info.get(_LISTENING):
+                info[_LISTENING] = True
+                event.listen(session.sync_session, "before_commit", self._before_commit)
+            return
+        entry = pending[partition] = _Pending({offset})
+        slot = partition.slot
+        assert slot is not None  # handed out only once claimed
+        n = partition.prefix_with(entry.offsets)
+        try:
+            await kafka_offsets.store(session, slot, n)
+        except Fenced:
+            self._fenced(partition, "handler transaction")
+            raise
+        entry.written = n
+
+    def _before_commit(self, session: Session) -> None:
+        """A batch's last word on each partition's offset (runs inside the commit)."""
+        pending: dict[_Partition, _Pending] = session.info.get(_PENDING, {})
+        for partition, entry in pending.items():
+            n = partition.prefix_with(entry.offsets)
+            if n is None or n == entry.written:
+                continue
+            assert partition.slot is not None
+            try:
+                kafka_offsets.store_sync(session, partition.slot, n)
+            except Fenced:
+                self._fenced(partition, "handler transaction")
+                raise
+            entry.written = n
+
     def _generation(self) -> int:
         """The group generation this member is in; -1 when it is in none."""
         coordinator = getattr(self._consumer, "_coordinator", None)  # no public accessor
@@ -932,9 +1235,13 @@ class KafkaBroker:
             if previous is not None:  # not revoked first: its handles must not commit
                 self._disown(previous)
             keyed = self.kafka.ordering == "key"
-            self._partitions[tp] = _Partition(
-                tp, self._generation(), keyed, span=self.kafka.max_buffered
+            partition = self._partitions[tp] = _Partition(
+                tp, self._generation(), keyed, span=self.kafka.max_buffered, batch=self._batch
             )
+            if self._engine is not None:  # claim the row first; nothing is read before
+                partition.claimed = False
+                self._consumer.pause(tp)
+                self._chore(self._claim(partition), f"kafka-claim-{partition.label}")
         labels = sorted(p.label for p in self._partitions.values())
         self._log.info("partitions assigned", partitions=labels)
 
@@ -951,6 +1258,7 @@ class KafkaBroker:
             if partition.rewind is not None:
                 partition.rewind.cancel()
                 partition.rewind = None
+                partition.rewind_to = None
         skip = set(hung)
         busy = [p for p in partitions if p.busy and p.tp not in skip]
         if busy:
@@ -962,6 +1270,7 @@ class KafkaBroker:
         for partition in partitions:
             self._disown(partition)
         await self._commit(partitions)
+        await self._hand_over(partitions)
         self._log.info(
             "partitions revoked",
             partitions=sorted(p.label for p in partitions),
@@ -1031,6 +1340,7 @@ class KafkaBroker:
         if partition.rewind is not None:
             partition.rewind.cancel()
             partition.rewind = None
+            partition.rewind_to = None
 
 
 def open_broker(settings: Settings) -> KafkaBroker:

@@ -1,0 +1,266 @@
+"""WORKER_KAFKA_OFFSETS=database in process, on Tansu and PostgreSQL: the stored offset is
+where a member starts, it moves in the handler's commit, and a member that lost its
+partition cannot commit (its transaction is fenced)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+from sqlalchemy import event, text
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from tests.kafka.kafka_helpers import committed, produce
+from tests.support.database import execute, fetch, scalar
+from tests.support.waiting import wait_for
+from worker import inbox
+from worker.brokers.kafka import KafkaBroker, KafkaSettings, load_kafka_settings
+from worker.db import create_engine, session_factory
+from worker.delivery import Delivery
+from worker.errors import ConfigurationError, SettlementLost
+from worker.pump import Pump
+from worker.registry import Context, Registry
+from worker.settings import Settings
+
+pytestmark = [pytest.mark.kafka, pytest.mark.postgres]
+
+NewTopic = Callable[[int], Awaitable[str]]
+
+
+def test_offsets_setting_is_checked_with_one_line_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("WORKER_KAFKA_OFFSETS", "postgres")
+    with pytest.raises(ConfigurationError) as caught:
+        load_kafka_settings()
+    message = str(caught.value)
+    assert message.startswith("WORKER_KAFKA_OFFSETS='postgres': ") and "\n" not in message
+    assert "'broker' or 'database'" in message
+    monkeypatch.setenv("WORKER_KAFKA_OFFSETS", "database")
+    assert load_kafka_settings().offsets == "database"
+    monkeypatch.delenv("WORKER_KAFKA_OFFSETS")
+    assert load_kafka_settings().offsets == "broker"  # the default stays the broker's
+
+
+@contextlib.asynccontextmanager
+async def member(kafka: KafkaSettings, url: str, **core: Any) -> AsyncIterator[KafkaBroker]:
+    broker = KafkaBroker(Settings(database_url=url, **core), kafka)
+    await broker.start(prefetch=4)
+    try:
+        yield broker
+    finally:
+        await broker.stop_receiving()
+        await broker.close()
+
+
+async def receive(broker: KafkaBroker, seconds: float = 15.0) -> Delivery:
+    async with asyncio.timeout(seconds):
+        return await broker.receive()
+
+
+async def stored(url: str, group: str, topic: str) -> dict[int, int | None]:
+    rows = await fetch(
+        url,
+        "SELECT partition, next_offset FROM consumer_offsets "
+        f"WHERE group_id = '{group}' AND topic = '{topic}'",
+    )
+    return {int(row[0]): row[1] for row in rows}
+
+
+def records(count: int, partition: int = 0) -> list[Any]:
+    return [(None, b"{}", {"type": "Note"}, partition) for _ in range(count)]
+
+
+async def test_a_member_starts_at_the_stored_offset_not_the_brokers(
+    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], postgres_only_url: str
+) -> None:
+    url, topic = postgres_only_url, await new_topic(1)
+    kafka = kafka_settings(topic, offsets="database")
+    await produce(kafka.bootstrap_servers, topic, records(10))
+    # The group has no broker offset (it would start at 0); the database says 6.
+    await execute(
+        url,
+        "INSERT INTO consumer_offsets (group_id, topic, partition, next_offset, epoch) "
+        f"VALUES ('{kafka.group_id}', '{topic}', 0, 6, 3)",
+    )
+    async with member(kafka, url) as broker:
+        first = await receive(broker)
+        assert first.headers is not None
+        assert first.group == (topic, 0)
+        assert first.in_transaction is not None
+        assert first._handle.record.offset == 6
+        assert await scalar(url, "SELECT epoch FROM consumer_offsets") == 4  # claimed
+        engine = create_engine(url)
+        try:
+            session = session_factory(engine)()
+            await first.in_transaction(session)  # what the pump does just before its commit
+            await AsyncSession.commit(session)
+            await AsyncSession.close(session)
+        finally:
+            await engine.dispose()
+        assert await stored(url, kafka.group_id, topic) == {0: 7}
+        await first.ack()
+        await wait_for(  # the broker's commit follows, for lag monitoring only
+            lambda: _is(committed(kafka.bootstrap_servers, kafka.group_id, topic, 1), {0: 7}),
+            10,
+            "the advisory broker commit",
+        )
+
+
+async def _is(value: Awaitable[object], expected: object) -> bool:
+    return await value == expected
+
+
+class Note(BaseModel):
+    pass
+
+
+async def applied_table(url: str) -> None:
+    await execute(url, "CREATE TABLE applied (topic text, part int, off bigint, member text)")
+
+
+def note_registry(member_name: str, gate: asyncio.Event | None, started: list[int]) -> Registry:
+    """A handler without the inbox (idempotent by its author's word): only the offset's
+    fencing can stop a second application of one record."""
+    registry = Registry()
+
+    @registry.handler("Note", Note, consumer="note", inbox=False)
+    async def note(ctx: Context, message: Note) -> None:
+        topic, part, off = ctx.message_id.split("/")
+        started.append(int(part))
+        if gate is not None:
+            await gate.wait()
+        await ctx.session.execute(
+            text("INSERT INTO applied VALUES (:t, :p, :o, :m)"),
+            {"t": topic, "p": int(part), "o": int(off), "m": member_name},
+        )
+
+    return registry
+
+
+async def test_a_member_whose_partition_was_reassigned_cannot_commit(
+    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], postgres_only_url: str
+) -> None:
+    """`a` holds one record of each of two partitions in its handler when `b` joins. The
+    rebalance gives one partition to `b`, which processes it at once; `a`'s handlers then
+    finish. Both of `a`'s old transactions must be fenced (their assignment is over, and
+    the records were read again from the stored offset): every record applied once."""
+    url, topic = postgres_only_url, await new_topic(2)
+    await applied_table(url)
+    kafka = kafka_settings(topic, offsets="database", rebalance_grace=0.2)
+    await produce(kafka.bootstrap_servers, topic, records(1, 0) + records(1, 1))
+    core = {"concurrency": 4, "retry_backoff": 0.001, "grace_period": 5.0}
+    settings = Settings(database_url=url, **core)
+    gate, started_a, started_b = asyncio.Event(), list[int](), list[int]()
+    engine = create_engine(url, pool_size=10)
+    a = Pump(KafkaBroker(settings, kafka), engine, note_registry("a", gate, started_a), settings)
+    b = Pump(KafkaBroker(settings, kafka), engine, note_registry("b", None, started_b), settings)
+    tasks = [asyncio.create_task(a.run())]
+    try:
+        await wait_for(lambda: sorted(started_a) == [0, 1], 30, "a's two records in its handler")
+        tasks.append(asyncio.create_task(b.run()))
+        await wait_for(lambda: started_b, 30, "b's first record")
+        await wait_for(
+            lambda: scalar(url, "SELECT count(*) FROM applied WHERE member = 'b'"), 10, "b commits"
+        )
+        gate.set()  # a's old handlers finish now, after the partition moved
+        await wait_for(
+            lambda: _is(stored(url, kafka.group_id, topic), {0: 1, 1: 1}), 30, "both stored"
+        )
+        await asyncio.sleep(0.5)  # room for a late, unfenced commit to show up
+    finally:
+        gate.set()
+        a.stop()
+        b.stop()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await engine.dispose()
+    rows = await fetch(url, "SELECT part, off, member FROM applied ORDER BY part")
+    assert [(r[0], r[1]) for r in rows] == [(0, 0), (1, 0)], rows  # once each
+    moved = [r[0] for r in rows if r[2] == "b"]
+    assert moved, rows  # b applied the partition it got, a did not apply it again
+    assert a.stats["committed"] + b.stats["committed"] == 2
+    assert await stored(url, kafka.group_id, topic) == {0: 1, 1: 1}
+
+
+async def test_a_batch_stores_the_contiguous_prefix_once_past_a_failure_in_the_middle(
+    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], postgres_only_url: str
+) -> None:
+    """WORKER_BATCH_SIZE=4: four contiguous records of a partition out at once. The batch
+    commits 0, 1 and 3 (2 failed): the stored offset and the broker commit stop at 2, and
+    the rewind delivers 2 and 3 again."""
+    url, topic = postgres_only_url, await new_topic(1)
+    kafka = kafka_settings(topic, offsets="database", redelivery_delay=0.05)
+    await produce(kafka.bootstrap_servers, topic, records(6))
+    # WORKER_BATCH_SIZE=4 (worker/batch.py's setting; the adapter only reads the number)
+    settings: Any = SimpleNamespace(**{**Settings(database_url=url).model_dump(), "batch_size": 4})
+    broker = KafkaBroker(settings, kafka)
+    await broker.start(prefetch=4)
+    engine = create_engine(url)
+    statements: list[str] = []
+    try:
+        batch = [await receive(broker) for _ in range(4)]  # no settlement in between
+        assert [d._handle.record.offset for d in batch] == [0, 1, 2, 3]
+        assert {d.group for d in batch} == {(topic, 0)}
+
+        def spy(*args: Any) -> None:
+            statement = args[2]
+            if "consumer_offsets" in statement:
+                statements.append(statement)
+
+        event.listen(engine.sync_engine, "before_cursor_execute", spy)
+        session = session_factory(engine)()
+        for delivery in (batch[0], batch[1], batch[3]):  # what a batch runner does
+            assert delivery.in_transaction is not None
+            await delivery.in_transaction(session)
+        await AsyncSession.commit(session)
+        await AsyncSession.close(session)
+        assert len(statements) == 2  # the partition's first record, and once before the commit
+        assert await stored(url, kafka.group_id, topic) == {0: 2}
+        for delivery in (batch[0], batch[1], batch[3]):
+            await delivery.ack()
+        await batch[2].nack()
+        await broker._commit(list(broker._partitions.values()))
+        assert await committed(kafka.bootstrap_servers, kafka.group_id, topic, 1) == {0: 2}
+        again = [await receive(broker) for _ in range(2)]
+        assert [d._handle.record.offset for d in again] == [2, 3]
+        assert again[0].delivery_count == 2
+        assert await stored(url, kafka.group_id, topic) == {0: 2}
+    finally:
+        await broker.stop_receiving()
+        await broker.close()
+        await engine.dispose()
+
+
+async def test_a_fenced_transaction_rolls_back_and_the_row_keeps_the_new_owners_offset(
+    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], postgres_only_url: str
+) -> None:
+    """A member that has not noticed the rebalance yet: another owner claimed the row and
+    stored 5; this member's transaction (marker and all) must fail, not write 1."""
+    url, topic = postgres_only_url, await new_topic(1)
+    kafka = kafka_settings(topic, offsets="database")
+    await produce(kafka.bootstrap_servers, topic, records(3))
+    async with member(kafka, url) as broker:
+        delivery = await receive(broker)
+        await execute(  # the new owner's claim and commit, as the database sees them
+            url, "UPDATE consumer_offsets SET epoch = epoch + 1, next_offset = 5"
+        )
+        engine = create_engine(url)
+        try:
+            session = session_factory(engine)()
+            await inbox.mark(session, "zombie", "note")
+            assert delivery.in_transaction is not None
+            with pytest.raises(SettlementLost, match="claimed by another member"):
+                await delivery.in_transaction(session)
+            await AsyncSession.close(session)
+        finally:
+            await engine.dispose()
+        assert await scalar(url, "SELECT count(*) FROM inbox") == 0
+        assert await stored(url, kafka.group_id, topic) == {0: 5}
+        with pytest.raises(SettlementLost):  # not ours any more: never acked
+            await delivery.ack()
+        assert not delivery._handle.partition.owned
