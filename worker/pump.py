@@ -44,9 +44,9 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
-from worker import claims, inbox, metrics, retention
+from worker import attempts, claims, inbox, metrics, retention
 from worker.brokers import Broker
-from worker.concurrency import deleted_row, prepare_models, record_rejection
+from worker.concurrency import prepare_models
 from worker.db import HANDLER_RUNNING, Failure, HandlerRun, PumpSession, classify, session_factory
 from worker.delivery import Delivery
 from worker.errors import (
@@ -61,6 +61,7 @@ from worker.errors import (
 from worker.health import DatabaseHealth
 from worker.logs import get_logger
 from worker.registry import Context, Handler, Registry
+from worker.rejections import deleted_row, record_rejection
 from worker.retry import backoff
 from worker.settings import Settings
 from worker.verdict import COMMITTED, DUPLICATE, Outcome, Verb, Verdict, failure
@@ -339,13 +340,16 @@ class Pump:
         self, delivery: Delivery, handlers: tuple[Handler[Any], ...], decoded: _Decoded
     ) -> None:
         """Run the type's handlers in order (each its own transaction), then settle once."""
+        await attempts.count(self._engine, delivery, handlers, self.settings)  # durable count
         if delivery.delivery_count > self.settings.max_deliveries:
             verdict = await self._over_limit(delivery, handlers)
             if verdict.verb is Verb.DEAD_LETTER:
                 return await self._refuse(delivery, verdict)
             return await self._settle(delivery, verdict)
         verdict = COMMITTED
-        for handler in handlers:
+        store, last = delivery.in_transaction, handlers[-1]  # the adapter's part goes with
+        for handler in handlers:  # the last handler's commit: a crash before it repeats them all
+            delivery.in_transaction = store if handler is last else None
             verdict = await self._consume_observed(delivery, handler, decoded[handler.model])
             if verdict.verb is not Verb.ACK:
                 break  # later handlers run on the redelivery; earlier ones are deduplicated

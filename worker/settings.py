@@ -61,6 +61,17 @@ class Settings(BaseSettings):
         False, description="Stop at start on a WORKER_* variable no setting knows."
     )
     max_deliveries: int = Field(5, ge=1, le=1000, description="Deliveries before dead-lettering.")
+    delivery_counts: Literal["broker", "database"] = Field(
+        "broker",
+        description="broker: the broker's (or the adapter's in-memory) counts; database: "
+        "redeliveries are also counted in the database, so a message that crashes the "
+        "process is bounded by WORKER_MAX_DELIVERIES across restarts.",
+    )
+    count_first_deliveries: bool = Field(
+        False,
+        description="With WORKER_DELIVERY_COUNTS=database: count first deliveries too "
+        "(one more round trip per message), for brokers that may not flag a redelivery.",
+    )
     retry_backoff: float = Field(0.02, ge=0, description="Base of the jittered backoff, seconds.")
     retry_backoff_max: float = Field(1.0, ge=0, description="Cap of the jittered backoff, seconds.")
     grace_period: float = Field(25.0, ge=0, description="Seconds in-flight work gets at shutdown.")

@@ -1,0 +1,171 @@
+"""WORKER_DELIVERY_COUNTS=database on Kafka, in process: which deliveries are counted in the
+database (redeliveries, records a previous owner may have started), and which are not."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from tests.kafka.kafka_helpers import produce
+from tests.support.database import fetch
+from tests.support.waiting import wait_for
+from worker.brokers.kafka import KafkaBroker, KafkaSettings
+from worker.db import create_engine
+from worker.delivery import Delivery
+from worker.errors import ConfigurationError
+from worker.pump import Pump
+from worker.registry import Context, Registry
+from worker.settings import Settings, load
+
+pytestmark = [pytest.mark.kafka, pytest.mark.postgres]
+
+NewTopic = Callable[[int], Awaitable[str]]
+
+
+def test_delivery_count_settings_are_checked_with_one_line_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("WORKER_DELIVERY_COUNTS", "disk")
+    with pytest.raises(ConfigurationError) as caught:
+        load(Settings)
+    message = str(caught.value)
+    assert message.startswith("WORKER_DELIVERY_COUNTS='disk': ") and "\n" not in message
+    monkeypatch.setenv("WORKER_DELIVERY_COUNTS", "database")
+    monkeypatch.setenv("WORKER_COUNT_FIRST_DELIVERIES", "maybe")
+    with pytest.raises(ConfigurationError) as caught:
+        load(Settings)
+    assert str(caught.value).startswith("WORKER_COUNT_FIRST_DELIVERIES='maybe': ")
+    monkeypatch.delenv("WORKER_COUNT_FIRST_DELIVERIES")
+    assert load(Settings).delivery_counts == "database"
+    monkeypatch.delenv("WORKER_DELIVERY_COUNTS")
+    assert load(Settings).delivery_counts == "broker"  # off unless asked for
+
+
+class Step(BaseModel):
+    tag: str
+
+
+def step(tag: str) -> tuple[bytes | None, bytes, dict[str, str], int | None]:
+    return (None, f'{{"tag": "{tag}"}}'.encode(), {"type": "Step", "message-id": tag}, 0)
+
+
+async def counts(url: str) -> dict[str, int]:
+    rows = await fetch(url, "SELECT message_id, deliveries FROM delivery_counts")
+    return {row[0]: int(row[1]) for row in rows}
+
+
+@pytest.mark.parametrize("first", [False, True])
+async def test_redeliveries_are_counted_and_first_deliveries_only_when_asked(
+    new_topic: NewTopic,
+    kafka_settings: Callable[..., KafkaSettings],
+    postgres_only_url: str,
+    first: bool,
+) -> None:
+    url, topic = postgres_only_url, await new_topic(1)
+    kafka = kafka_settings(topic, redelivery_delay=0.05)
+    await produce(kafka.bootstrap_servers, topic, [step("ok"), step("flaky"), step("ok-2")])
+    settings = Settings(
+        database_url=url,
+        delivery_counts="database",
+        count_first_deliveries=first,
+        concurrency=2,
+        retry_backoff=0.001,
+    )
+    seen: list[tuple[str, int]] = []
+    registry = Registry()
+
+    @registry.handler("Step", Step, consumer="step")
+    async def run(ctx: Context, message: Step) -> None:
+        seen.append((message.tag, ctx.delivery_count))
+        if message.tag == "flaky" and ctx.delivery_count == 1:
+            raise RuntimeError("the first try fails")
+
+    engine = create_engine(url)
+    pump = Pump(KafkaBroker(settings, kafka), engine, registry, settings)
+    task = asyncio.create_task(pump.run())
+    try:
+        await wait_for(lambda: len(seen) == 4, 30, "four handler runs")
+    finally:
+        pump.stop()
+        await task
+        await engine.dispose()
+    assert seen == [("ok", 1), ("flaky", 1), ("flaky", 2), ("ok-2", 1)]
+    if first:  # every delivery: one round trip each
+        assert await counts(url) == {"ok": 1, "flaky": 2, "ok-2": 1}
+    else:  # only the redelivery: the first deliveries cost nothing
+        assert await counts(url) == {"flaky": 1}
+
+
+@contextlib.asynccontextmanager
+async def member(kafka: KafkaSettings, url: str) -> AsyncIterator[KafkaBroker]:
+    broker = KafkaBroker(Settings(database_url=url, delivery_counts="database"), kafka)
+    await broker.start(prefetch=1)
+    try:
+        yield broker
+    finally:
+        await broker.stop_receiving()
+        await broker.close()
+
+
+async def receive(broker: KafkaBroker) -> Delivery:
+    async with asyncio.timeout(15):
+        return await broker.receive()
+
+
+def offset(delivery: Delivery) -> Any:
+    return delivery._handle.record.offset
+
+
+@pytest.mark.parametrize("offsets", ["broker", "database"])
+async def test_records_a_crashed_owner_may_have_started_come_as_redeliveries(
+    new_topic: NewTopic,
+    kafka_settings: Callable[..., KafkaSettings],
+    postgres_only_url: str,
+    offsets: str,
+) -> None:
+    """`a` hands out record 0 and dies without a word (no commit, no hand-over): the next
+    owner gets record 0 as a possible redelivery (count at least 2, so the pump counts it
+    in the database), not as a first delivery that nothing would count."""
+    url, topic = postgres_only_url, await new_topic(1)
+    kafka = kafka_settings(topic, offsets=offsets, commit_interval=3600)
+    await produce(kafka.bootstrap_servers, topic, [step("m0"), step("m1")])
+    a = KafkaBroker(Settings(database_url=url, delivery_counts="database"), kafka)
+    await a.start(prefetch=1)
+    try:
+        first = await receive(a)
+        assert (offset(first), first.delivery_count) == (0, 1)
+        rows = await fetch(url, "SELECT started_through FROM consumer_offsets")
+        assert rows and rows[0][0] >= 0  # recorded before the record was handed out
+    finally:
+        a._stopping = True  # the crash: no commit, no hand-over, only the connection ends
+        await a._cancel_tasks()
+        await a._stop_clients()
+    async with member(kafka, url) as b:
+        again = await receive(b)
+        assert offset(again) == 0 and again.delivery_count >= 2
+        await again.ack()
+        later = await receive(b)
+        assert offset(later) == 1 and later.delivery_count >= 2  # reserved ahead: suspect too
+
+
+async def test_after_a_clean_hand_over_nothing_is_suspect(
+    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], postgres_only_url: str
+) -> None:
+    url, topic = postgres_only_url, await new_topic(1)
+    kafka = kafka_settings(topic, offsets="database")
+    await produce(kafka.bootstrap_servers, topic, [step("m0"), step("m1")])
+    async with member(kafka, url) as a:
+        first = await receive(a)
+        await first.ack()
+    # `a` stored offset 1 and recorded that nothing after 0 was started
+    assert (await fetch(url, "SELECT next_offset, started_through FROM consumer_offsets")) == [
+        (1, 0)
+    ]
+    async with member(kafka, url) as b:
+        nxt = await receive(b)
+        assert (offset(nxt), nxt.delivery_count) == (1, 1)
