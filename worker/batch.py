@@ -109,7 +109,8 @@ class BatchRunner:
         self.size = pump.settings.batch_size
         self.wait = pump.settings.batch_wait
         self._buckets: dict[BatchKey, tuple[float, deque[Delivery]]] = {}
-        self._ready: asyncio.Queue[list[Delivery]] = asyncio.Queue()
+        # released batches, and whether they are (False: one delivery, the per-message path)
+        self._ready: asyncio.Queue[tuple[list[Delivery], bool]] = asyncio.Queue()
         self._batchable = {
             message_type: all(h.batchable for h in pump.registry.for_type(message_type))
             for message_type in pump.registry.message_types
@@ -147,7 +148,7 @@ class BatchRunner:
             pump._held.add(delivery)
             key = self.key(delivery)
             if key is None:
-                self._ready.put_nowait([delivery])
+                self._ready.put_nowait(([delivery], False))
                 continue
             bucket = self._buckets.get(key)
             if bucket is None:
@@ -155,7 +156,7 @@ class BatchRunner:
             bucket[1].append(delivery)
             if len(bucket[1]) >= self.size:
                 del self._buckets[key]
-                self._ready.put_nowait(list(bucket[1]))
+                self._ready.put_nowait((list(bucket[1]), True))
 
     def _next_deadline(self) -> float | None:
         if not self._buckets:
@@ -166,7 +167,7 @@ class BatchRunner:
     def _release_ripe(self, now: float) -> None:
         for key in [k for k, (deadline, _) in self._buckets.items() if deadline <= now]:
             _, deliveries = self._buckets.pop(key)
-            self._ready.put_nowait(list(deliveries))
+            self._ready.put_nowait((list(deliveries), True))
 
     async def work(self) -> None:
         """One worker: take a released batch, run it, settle every delivery in it."""
@@ -175,14 +176,14 @@ class BatchRunner:
         assert task is not None
         while not pump._stop.is_set():
             pump._idle.add(task)
-            deliveries = await self._ready.get()
+            deliveries, batchable = await self._ready.get()
             pump._idle.discard(task)  # from here on, shutdown waits for this batch
             if not pump.health.available:  # hold the batch while the database is away
                 await pump.health.wait_available()
-            if len(deliveries) == 1:
-                await pump._one(deliveries[0])
-            else:
+            if batchable:  # a batch of one too: the same path whatever the load
                 await self._guarded(deliveries)
+            else:
+                await pump._one(deliveries[0])
 
     # -- one batch ----------------------------------------------------------------
 

@@ -39,6 +39,9 @@ class Harness(abc.ABC):
     patience: ClassVar[float] = 15.0
     """Seconds any one expected outcome may take (retry hops, lock expiry, group joins)."""
 
+    mode: ClassVar[dict[str, Any]] = {}
+    """Overrides of the pump's settings for a mode of the whole suite (batch mode)."""
+
     def pump_settings(self) -> dict[str, Any]:
         """Overrides of the pump's settings this broker needs (most need none)."""
         return {}
@@ -61,6 +64,10 @@ class Harness(abc.ABC):
 
     async def close(self) -> None:  # noqa: B027 - an optional hook, not a duty
         """Release what the harness holds; tests call it once at the end."""
+
+
+BATCH_MODE: dict[str, Any] = {"batch_size": 4, "batch_wait": 0.05}
+"""The suite in batch mode: deliveries of one type share transactions, four at most."""
 
 
 def credit(
@@ -116,6 +123,7 @@ class Bench:
             "grace_period": 5.0,
         }
         values.update(self.harness.pump_settings())
+        values.update(self.harness.mode)
         values.update(overrides)
         return Settings(**values)
 

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from tests.contract.base import BrokerContract, Harness
+from tests.contract.base import BATCH_MODE, BrokerContract, Harness
 from worker.brokers import Broker, DeadLetterInfo, OutgoingMessage
 from worker.brokers.memory import MemoryBroker
 from worker.settings import Settings
@@ -40,5 +40,19 @@ class TestMemoryContract(BrokerContract):
     @pytest.fixture
     async def harness(self) -> AsyncIterator[Harness]:
         harness = MemoryHarness()
+        yield harness
+        await harness.close()
+
+
+class BatchMemoryHarness(MemoryHarness):
+    mode = BATCH_MODE
+
+
+class TestMemoryBatchContract(BrokerContract):
+    """The same contract in batch mode."""
+
+    @pytest.fixture
+    async def harness(self) -> AsyncIterator[Harness]:
+        harness = BatchMemoryHarness()
         yield harness
         await harness.close()

@@ -20,7 +20,7 @@ from azure.servicebus.aio import ServiceBusClient
 from azure.servicebus.aio.management import ServiceBusAdministrationClient
 from pydantic import SecretStr
 
-from tests.contract.base import BrokerContract, Harness
+from tests.contract.base import BATCH_MODE, BrokerContract, Harness
 from tests.servicebus.fake import Entity, FakeServiceBus
 from worker.brokers import Broker, DeadLetterInfo, OutgoingMessage
 from worker.brokers.servicebus import (
@@ -81,6 +81,20 @@ class TestServiceBusFakeContract(BrokerContract):
     @pytest.fixture
     async def harness(self) -> AsyncIterator[Harness]:
         harness = FakeHarness()
+        yield harness
+        await harness.close()
+
+
+class BatchFakeHarness(FakeHarness):
+    mode = BATCH_MODE
+
+
+class TestServiceBusFakeBatchContract(BrokerContract):
+    """The same contract in batch mode, on the fake."""
+
+    @pytest.fixture
+    async def harness(self) -> AsyncIterator[Harness]:
+        harness = BatchFakeHarness()
         yield harness
         await harness.close()
 

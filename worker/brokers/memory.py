@@ -16,6 +16,7 @@ ways real brokers do:
   its commit and its ack.
 
 Deliveries are pushed to consumers round-robin, at most ``prefetch`` unsettled each.
+``ack_many`` (batch mode) acks several in one call, each recorded as its own ack.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -293,6 +295,17 @@ class MemoryConsumer:
         else:
             broker.stats["acked"] += 1
         broker._dispatch()
+
+    async def ack_many(self, handles: Sequence[_Flight]) -> list[_Flight]:
+        """One call for a batch's acks; returns the ones lost (their lock had expired)."""
+        self.broker.stats["ack_many"] += 1
+        lost = []
+        for handle in handles:
+            try:
+                await self.ack(handle)
+            except SettlementLost:
+                lost.append(handle)
+        return lost
 
     async def nack(self, handle: _Flight, delay: float | None, counted: bool = True) -> None:
         broker = self.broker
