@@ -16,44 +16,35 @@ bounded by ``WORKER_MAX_ATTEMPTS`` with jittered backoff. This module adds:
 - :class:`XminVersioned`: PostgreSQL's ``xmin`` as a server-side token, and
   :func:`check_version_tokens`, which refuses a server-generated token on
   SQLite at start (it would stay NULL there and guard nothing).
-- The ``rejections`` table, where the pump records every
-  :class:`~worker.errors.Rejected` outcome before it acks.
+
+This is the handler author's side. What the pump does with a conflict's
+outcome (tell a deleted row from a changed one, record a rejection) is in
+:mod:`worker.rejections`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 
 from sqlalchemy import (
-    BigInteger,
     ColumnElement,
-    DateTime,
     FetchedValue,
-    Identity,
-    Index,
     Integer,
-    String,
     Table,
-    Text,
     and_,
     delete,
     event,
-    func,
-    insert,
     inspect,
     or_,
     select,
     update,
 )
 from sqlalchemy import cast as cast_
-from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import (
     DeclarativeBase,
     Mapped,
@@ -66,9 +57,8 @@ from sqlalchemy.orm.attributes import set_committed_value
 from sqlalchemy.orm.exc import StaleDataError
 from sqlalchemy.types import UserDefinedType
 
-from worker import inbox
-from worker.db import Base, is_inbox_violation
-from worker.errors import ConfigurationError, MergeConflict, Rejected, RowDeleted
+from worker.db import Base
+from worker.errors import ConfigurationError, MergeConflict, RowDeleted
 from worker.logs import get_logger
 from worker.retry import backoff
 
@@ -76,7 +66,8 @@ if TYPE_CHECKING:
     from worker.registry import Context
 
 stats: Counter[str] = Counter()
-"""Conflicts met and how they ended, by :func:`save` and the bulk guards (for metrics)."""
+"""Conflicts met and how they ended (for metrics): by :func:`save`, the bulk guards and
+:func:`worker.rejections.deleted_row`."""
 
 
 class Policy(enum.StrEnum):
@@ -487,122 +478,17 @@ def check_version_tokens(dialect: str, bases: Iterable[type[DeclarativeBase]] = 
             )
 
 
-# -- changed or deleted, for the pump's database-wins retry ------------------------------
+# -- changed or deleted: what the pump's database-wins retry needs to tell them apart ---
 
-_STALE_TABLE = re.compile(r"^(?:UPDATE|DELETE) statement on table '([^']+)'")
 _WRITTEN = "worker.versioned_writes"
 
 
 def _remember_versioned(_mapper: Mapper[Any], _connection: Any, target: Any) -> None:
     """Keep the versioned rows a flush writes: a failed flush forgets its changes.
 
-    Runs only for UPDATE and DELETE of versioned models; other writes pay nothing.
+    Read by :func:`worker.rejections.deleted_row`. Runs only for UPDATE and DELETE
+    of versioned models; other writes pay nothing.
     """
     session = object_session(target)
     if session is not None:
         session.info.setdefault(_WRITTEN, []).append(target)
-
-
-async def deleted_row(
-    session: AsyncSession, exc: BaseException, sessions: async_sessionmaker[Any]
-) -> RowDeleted | None:
-    """After a mapper's ``StaleDataError``: a :class:`RowDeleted` when the row is gone.
-
-    The failed flush has rolled the session's changes back, so this takes the
-    versioned rows of that table the flush tried to write (remembered by
-    :func:`prepare_models`' listener) and asks a fresh session which still
-    exist. Anything unclear returns None: the pump then retries, always safe.
-    """
-    if isinstance(exc, RowChanged) or not isinstance(exc, StaleDataError):
-        return None
-    match = _STALE_TABLE.match(str(exc))
-    if match is None:
-        return None
-    loaded: dict[Mapper[Any], list[tuple[Any, ...]]] = {}
-    for target in session.info.get(_WRITTEN, ()):
-        state = inspect(target)
-        mapper = state.mapper
-        if state.key is not None and mapper.local_table.name == match.group(1):
-            loaded.setdefault(mapper, []).append(tuple(state.key[1]))
-    try:
-        for mapper, pks in loaded.items():
-            pk_cols = list(mapper.primary_key)
-            lookup: AsyncSession = sessions()
-            try:
-                present = await lookup.execute(select(*pk_cols).where(_keys_in(pk_cols, pks)))
-                found = {tuple(row) for row in present.all()}
-            finally:
-                await AsyncSession.close(lookup)
-            gone = [pk for pk in pks if pk not in found]
-            if gone:
-                subject = f"{match.group(1)}:{_format_pk(gone[0])}"
-                stats["deleted"] += 1
-                return RowDeleted(f"{subject} was deleted by another writer", subject=subject)
-    except Exception:  # a lookup that fails says nothing; the retry decides
-        return None
-    return None
-
-
-# -- rejections: recorded, then acked -----------------------------------------------------
-
-
-class Rejection(Base):
-    """A message that was not applied on purpose, and why (precondition failed, deleted, ...)."""
-
-    __tablename__ = "rejections"
-    __table_args__ = (Index("ix_rejections_rejected_at", "rejected_at"),)
-
-    id: Mapped[int] = mapped_column(
-        BigInteger().with_variant(Integer(), "sqlite"), Identity(), primary_key=True
-    )
-    message_id: Mapped[str] = mapped_column(String(255))
-    consumer: Mapped[str] = mapped_column(String(255))
-    message_type: Mapped[str | None] = mapped_column(String(255))
-    reason: Mapped[str] = mapped_column(String(32))
-    subject: Mapped[str | None] = mapped_column(String(255))
-    expected_version: Mapped[int | None] = mapped_column(BigInteger)
-    actual_version: Mapped[int | None] = mapped_column(BigInteger)
-    detail: Mapped[str | None] = mapped_column(Text)
-    rejected_at: Mapped[datetime] = mapped_column(
-        DateTime(timezone=True), server_default=func.current_timestamp()
-    )
-
-
-async def record_rejection(
-    sessions: async_sessionmaker[Any],
-    message_id: str,
-    consumer: str,
-    message_type: str | None,
-    exc: Rejected,
-    *,
-    with_marker: bool = True,
-) -> bool:
-    """Insert the inbox marker and the rejection in one commit; False if it was a duplicate.
-
-    The marker makes a redelivery of the rejected message a duplicate, so it is
-    recorded once however often the broker hands it back.
-    """
-    session: AsyncSession = sessions()
-    try:
-        if with_marker:
-            await inbox.mark(session, message_id, consumer)
-        await session.execute(
-            insert(cast(Table, Rejection.__table__)).values(
-                message_id=message_id,
-                consumer=consumer,
-                message_type=message_type,
-                reason=exc.outcome,
-                subject=exc.subject,
-                expected_version=exc.expected,
-                actual_version=exc.actual,
-                detail=(exc.detail or str(exc))[:2000],
-            )
-        )
-        await AsyncSession.commit(session)
-        return True
-    except IntegrityError as error:
-        if is_inbox_violation(error):
-            return False
-        raise
-    finally:
-        await AsyncSession.close(session)

@@ -12,8 +12,8 @@ from structlog.testing import capture_logs
 
 from handlers.pricing import ChangeProductPrice, Product, change_price
 from worker.brokers.memory import MemoryBroker
-from worker.concurrency import Rejection
 from worker.registry import Context, Registry
+from worker.rejections import Rejection
 
 PRODUCTS = cast(Table, Product.__table__)
 REJECTIONS = cast(Table, Rejection.__table__)

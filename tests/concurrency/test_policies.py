@@ -21,7 +21,7 @@ from sqlalchemy.orm.exc import StaleDataError
 from handlers.credit import Account, CreditRequested
 from handlers.pricing import Product
 from tests.concurrency.concurrency_helpers import count, record_statements
-from worker import concurrency
+from worker import concurrency, rejections
 from worker.brokers.memory import MemoryBroker
 from worker.concurrency import Policy, RowChanged, save
 from worker.db import Failure, PumpSession, classify, session_factory
@@ -295,7 +295,7 @@ async def test_pump_reports_a_deleted_row_and_retries_a_changed_one(
         broker.publish("m1", "Credit", {"account_id": "a", "amount": "5"})
         await broker.wait_idle(5)
     assert [verb for verb, _, _ in broker.history] == ["ack"]
-    rejected = cast(Table, concurrency.Rejection.__table__)
+    rejected = cast(Table, rejections.Rejection.__table__)
     if mode == "deleted":
         assert calls["credit"] == 1  # not retried: a retry would have re-created nothing
         assert pump.stats["deleted"] == 1
@@ -340,7 +340,7 @@ async def test_pump_retries_a_helper_conflict_and_records_a_merge_conflict(
     assert calls == Counter({"dbwins": 2, "merge": 1})
     assert pump.stats["merge-conflict"] == 1
     assert await row(engine) == ("lamp", Decimal("99.00"), 4)  # dbwins applied, then theirs
-    rejected = cast(Table, concurrency.Rejection.__table__)
+    rejected = cast(Table, rejections.Rejection.__table__)
     assert (
         await count(
             engine,
