@@ -15,15 +15,18 @@ and ratios to the hand-written inbox consumer of the same scenario. Rows:
 - the same without the marker (atomic upsert, no dedup);
 - a FastStream subscriber: ORM read-modify-write of the versioned ``Account``, no
   dedup, a version conflict nacked for redelivery (needs the ``bench`` extra);
-- ``worker run`` per message: the reference handler (``handlers.credit``: ORM
-  read-modify-write under the version token, keyed by account) and an atomic-SQL
-  handler (benchmarks/throughput_handlers.py);
-- ``worker run`` in batch mode (``WORKER_BATCH_SIZE``): the reference handler
-  (one savepoint per message) and a set-based batch handler, and a batch size sweep.
+- ``worker run`` per message: the reference handler as registered
+  (``handlers.credit``: ORM read-modify-write under the version token, keyed by
+  account), the same function without the key, and an atomic-SQL handler
+  (benchmarks/throughput_handlers.py);
+- ``worker run`` in batch mode (``WORKER_BATCH_SIZE``): the reference function
+  without the key (batch mode runs keyed handlers one at a time), one savepoint per
+  message, and a set-based batch handler, and a batch size sweep.
 
 msg/s is deliveries settled per second from the consumer's ``pump started`` line
 to the moment the benchmark sees the last settlement (the worker's ``/metrics``,
-the other consumers' ``drained`` line; both polled every 20 ms). Every run checks
+the other consumers' ``drained`` line; both polled every 20 ms, the worker's only
+once the queue has handed out its last message: a scrape costs the worker CPU). Every run checks
 each balance against the credits of the distinct message ids and the markers
 against the ids: "exact" or "wrong" (a no-dedup consumer is wrong with duplicates,
 by design). The worker's peak RSS (VmHWM) and start-to-ready (spawn to ``/readyz``
@@ -49,18 +52,21 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import aio_pika
 import httpx
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from benchmarks.hot_rows import patiently, prepare, throwaway_vhost
 from benchmarks.rabbitmq_vs_handwritten import CREDIT, MARK, admin_sql, cleanup, fill
+from benchmarks.throughput_handlers import MESSAGE_TYPE
 from tests.rabbitmq.rabbit_helpers import all_depths, rabbit_env
 from tests.support.processes import REPO, WorkerProcess, free_port
 from tests.support.rabbitmq import guest_url
@@ -79,42 +85,35 @@ NOT_ON_MAIN = "n/a (batch mode not on main yet)"
 @dataclass(frozen=True)
 class Row:
     label: str
-    serve: str = ""  # a consumer of this module (--serve), or "" for `worker run`
     handlers: str = "handlers.credit"
     variant: str = ""  # THROUGHPUT_VARIANT of benchmarks/throughput_handlers.py
     batch: int = 0  # WORKER_BATCH_SIZE; 0: per message
     concurrency: int = 0  # 0: --concurrency
     dedup: bool = True
     scenarios: tuple[float, ...] = SCENARIOS
+    serve: str = ""  # a consumer of this module (--serve), or "" for `worker run`
+
+    @property
+    def message_type(self) -> str:
+        return MESSAGE_TYPE if self.handlers == BENCH else "CreditRequested"
 
 
-BENCH_HANDLERS = "benchmarks.throughput_handlers"
+BENCH = "benchmarks.throughput_handlers"  # its rows use its own message type
 BASELINE = Row("hand-written inbox (aio-pika + asyncpg)", serve="handwritten")
-NO_DEDUP = Row("hand-written atomic, no dedup", serve="handwritten-nodedup", dedup=False)
 ROWS = (
     BASELINE,
-    NO_DEDUP,
+    Row("hand-written atomic, no dedup", serve="handwritten-nodedup", dedup=False),
     Row("FastStream, ORM read-modify-write, no dedup", serve="faststream", dedup=False),
-    Row("worker, reference ORM handler", handlers="handlers.credit"),
-    Row("worker, atomic-SQL handler", handlers=BENCH_HANDLERS, variant="atomic"),
-    Row("worker batch 32, reference ORM (savepoints)", batch=32),
-    Row(
-        "worker batch 32, set-based handler (sweep: 32)",
-        handlers=BENCH_HANDLERS,
-        variant="set-based",
-        batch=32,
-    ),
-    *(
-        Row(
-            f"  sweep: batch {size}, set-based",
-            handlers=BENCH_HANDLERS,
-            variant="set-based",
-            batch=size,
-        )
-        for size in (1, 8, 128)
-    ),
+    Row("worker, reference ORM handler (keyed)"),
+    Row("worker, reference ORM handler, no key", handlers=BENCH, variant="reference"),
+    Row("worker, atomic-SQL handler", handlers=BENCH, variant="atomic"),
+    Row("worker batch 32, reference ORM (savepoints)", BENCH, "reference", batch=32),
+    Row("worker batch 32, set-based handler", BENCH, "set-based", batch=32),
+    *(Row(f"  sweep: batch {n}, set-based", BENCH, "set-based", batch=n) for n in (1, 8, 128)),
     Row(
         "worker batch 64 at concurrency 64, reference ORM",
+        BENCH,
+        "reference",
         batch=64,
         concurrency=64,
         scenarios=(0.0,),
@@ -135,7 +134,9 @@ class Result:
 # -- the messages --------------------------------------------------------------------
 
 
-def deliveries(count: int, accounts: int, duplicates: float, seed: str) -> list[OutgoingMessage]:
+def deliveries(
+    count: int, accounts: int, duplicates: float, seed: str, type: str = "CreditRequested"
+) -> list[OutgoingMessage]:
     """``count`` deliveries; a share ``duplicates`` repeats an id (and body) seen shortly before."""
     rng = random.Random(seed)
     out: list[OutgoingMessage] = []
@@ -145,7 +146,7 @@ def deliveries(count: int, accounts: int, duplicates: float, seed: str) -> list[
             out.append(fresh[rng.randrange(max(0, len(fresh) - DUPLICATE_WINDOW), len(fresh))])
             continue
         body = f'{{"account_id": "acct-{n % accounts}", "amount": "{AMOUNT}"}}'.encode()
-        message = OutgoingMessage(f"{seed}-{n}", "CreditRequested", body)
+        message = OutgoingMessage(f"{seed}-{n}", type, body)
         fresh.append(message)
         out.append(message)
     return out
@@ -168,10 +169,10 @@ def expected(batch: list[OutgoingMessage], dedup: bool) -> tuple[dict[str, Decim
 
 def batch_mode_on_main() -> bool:
     """Batch mode is there when its settings and its context are (it is being built)."""
-    try:
-        from worker import registry, settings
-    except ImportError:
-        return False
+    import importlib
+
+    registry = importlib.import_module("worker.registry")
+    settings = importlib.import_module("worker.settings")
     return hasattr(registry, "BatchContext") and "batch_size" in settings.Settings.model_fields
 
 
@@ -214,6 +215,22 @@ async def _settled(client: httpx.AsyncClient, port: int) -> int:
     return total
 
 
+@contextlib.asynccontextmanager
+async def _ready_count(rabbit: RabbitMQSettings) -> AsyncIterator[Callable[[], Awaitable[int]]]:
+    """Messages in the work queue not handed to a consumer yet (a passive declare)."""
+    connection = await aio_pika.connect(rabbit.url)
+    try:
+        channel = await connection.channel()
+
+        async def count() -> int:
+            queue = await channel.declare_queue(rabbit.queue, passive=True)
+            return queue.declaration_result.message_count or 0
+
+        yield count
+    finally:
+        await connection.close()
+
+
 async def _ready(client: httpx.AsyncClient, port: int) -> bool:
     try:
         return (await client.get(f"http://127.0.0.1:{port}/readyz")).status_code == 200
@@ -252,33 +269,14 @@ async def run_once(
     if row.batch:
         env["WORKER_BATCH_SIZE"] = str(row.batch)
     await prepare(db, args.accounts)
-    batch = deliveries(args.messages, args.accounts, duplicates, tag)
+    batch = deliveries(args.messages, args.accounts, duplicates, tag, row.message_type)
     await patiently("queueing the messages", lambda: fill(rabbit, batch))
     result = Result()
     path = logs / f"{tag}.log"
     spawned = time.time()
     process = ServedProcess(row.serve, env, path) if row.serve else WorkerProcess(env, path)
-    deadline = time.monotonic() + args.timeout
-    ended: float | None = None
     try:
-        async with httpx.AsyncClient(timeout=2.0) as client:
-            while ended is None:
-                if process.process.poll() is not None:
-                    tail = path.read_text(errors="replace").strip().splitlines()[-3:]
-                    result.problem = f"exited early: {' | '.join(tail)[:400]}"
-                    break
-                if time.monotonic() > deadline:
-                    result.problem = f"not drained within {args.timeout:.0f}s"
-                    break
-                if row.serve:
-                    if process.logged("drained"):
-                        ended = time.time()
-                else:
-                    if result.ready is None and await _ready(client, port):
-                        result.ready = time.time() - spawned
-                    if await _settled(client, port) >= args.messages:
-                        ended = time.time()
-                await asyncio.sleep(POLL)
+        ended = await drained(process, row, port, rabbit, args, result, spawned)
         result.rss_mb = _peak_rss_mb(process.process.pid)
     finally:
         process.signal(signal.SIGTERM)
@@ -301,6 +299,41 @@ async def run_once(
     if wrong and not result.problem and (row.dedup or duplicates == 0):
         result.problem = wrong
     return result
+
+
+async def drained(
+    process: WorkerProcess,
+    row: Row,
+    port: int,
+    rabbit: RabbitMQSettings,
+    args: argparse.Namespace,
+    result: Result,
+    spawned: float,
+) -> float | None:
+    """When the consumer settled its last delivery (None: it did not, see the problem)."""
+    deadline = time.monotonic() + args.timeout
+    async with httpx.AsyncClient(timeout=2.0) as client, _ready_count(rabbit) as queued:
+        while True:
+            if process.process.poll() is not None:
+                tail = process.log_path.read_text(errors="replace").strip().splitlines()[-3:]
+                result.problem = f"exited early: {' | '.join(tail)[:400]}"
+                return None
+            if time.monotonic() > deadline:
+                result.problem = f"not drained within {args.timeout:.0f}s"
+                return None
+            if row.serve:
+                if process.logged("drained"):
+                    return time.time()
+            else:
+                if result.ready is None and await _ready(client, port):
+                    result.ready = time.time() - spawned
+                # /metrics costs the worker CPU: scrape only once the queue has handed out
+                # everything (what is left is at most the prefetch, a fraction of a second
+                # of work); until then ask the broker
+                ready = result.ready is not None and await queued() == 0
+                if ready and await _settled(client, port) >= args.messages:
+                    return time.time()
+            await asyncio.sleep(POLL)
 
 
 async def check(
@@ -468,7 +501,7 @@ def report(
         for scenario in SCENARIOS:
             runs = results[row].get(scenario, [])
             everything += runs
-            if scenario not in row.scenarios:
+            if scenario not in row.scenarios or not runs:
                 cells += ["", "", ""]
                 continue
             rate = _median([r.rate for r in runs if r.rate and not r.problem])

@@ -1,12 +1,14 @@
-"""``WORKER_HANDLERS=benchmarks.throughput_handlers``: the worker rows of benchmarks/throughput.py.
+"""``WORKER_HANDLERS=benchmarks.throughput_handlers``: worker rows of benchmarks/throughput.py.
 
-``THROUGHPUT_VARIANT`` picks the one handler this process registers for
-``CreditRequested``. The reference rows run ``WORKER_HANDLERS=handlers.credit``
-itself; this module never imports it, so it registers no second consumer of the
-type (the body model below is a copy of ``handlers.credit.CreditRequested``).
+``THROUGHPUT_VARIANT`` picks the one handler this process registers, for
+``ThroughputCredit`` (a ``CreditRequested`` body under a type of its own: importing
+:mod:`handlers.credit` registers the keyed reference handler for ``CreditRequested``
+already). Unset, nothing is registered (an import for the functions alone).
 
 - ``atomic``: per message, the hand-written consumer's atomic upsert through
   ``ctx.session`` (no read, no token check, nothing to conflict).
+- ``reference``: :func:`handlers.credit.apply_credit` without ``key=`` (batch mode
+  runs keyed handlers one at a time), so batch mode puts it in savepoints.
 - ``set-based``: a batch handler (``batch=True``): the batch's credits summed per
   account in Python, then one multi-row upsert for the whole batch.
 """
@@ -16,24 +18,16 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from decimal import Decimal
-from typing import Any
 
-from pydantic import BaseModel, ConfigDict
 from sqlalchemy import text
 
+from handlers.credit import CreditRequested, apply_credit
 from worker import Context, handler
+from worker.registry import BatchContext
 
-VARIANTS = ("atomic", "set-based")
-
-
-class CreditRequested(BaseModel):
-    """The body of ``handlers.credit.CreditRequested``."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    account_id: str
-    amount: Decimal
-
+MESSAGE_TYPE = "ThroughputCredit"
+CONSUMER = "throughput-credit"
+VARIANTS = ("atomic", "reference", "set-based")
 
 # The hand-written consumer's statement (benchmarks/rabbitmq_vs_handwritten.py CREDIT).
 # The version moves too, so an ORM writer of the same row still sees a conflict.
@@ -54,7 +48,7 @@ async def credit_atomic(ctx: Context, message: CreditRequested) -> None:
     await ctx.session.execute(CREDIT, {"a": message.account_id, "b": message.amount})
 
 
-async def credit_set_based(ctx: Any, messages: Sequence[CreditRequested]) -> None:
+async def credit_set_based(ctx: BatchContext, messages: Sequence[CreditRequested]) -> None:
     """One statement for the batch; accounts in a fixed order, so batches never deadlock."""
     totals: dict[str, Decimal] = {}
     for message in messages:
@@ -66,14 +60,14 @@ async def credit_set_based(ctx: Any, messages: Sequence[CreditRequested]) -> Non
 
 def _register(variant: str) -> None:
     if variant == "atomic":
-        handler("CreditRequested", CreditRequested, consumer="credit")(credit_atomic)
+        handler(MESSAGE_TYPE, CreditRequested, consumer=CONSUMER)(credit_atomic)
+    elif variant == "reference":
+        handler(MESSAGE_TYPE, CreditRequested, consumer=CONSUMER)(apply_credit)
     elif variant == "set-based":
-        batch_handler: Any = handler
-        batch_handler("CreditRequested", CreditRequested, consumer="credit", batch=True)(
-            credit_set_based
-        )
+        handler(MESSAGE_TYPE, CreditRequested, consumer=CONSUMER, batch=True)(credit_set_based)
     else:
         raise RuntimeError(f"THROUGHPUT_VARIANT={variant!r}: expected one of {VARIANTS}")
 
 
-_register(os.environ.get("THROUGHPUT_VARIANT", "atomic"))
+if os.environ.get("THROUGHPUT_VARIANT"):
+    _register(os.environ["THROUGHPUT_VARIANT"])
