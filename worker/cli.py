@@ -97,8 +97,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             _quiet_libraries(settings)
             return asyncio.run(_dlq_command(settings, args))
         if args.command == "sweep":
-            from worker.claims import sweep_command
-
             return asyncio.run(
                 sweep_command(
                     settings,
@@ -420,6 +418,39 @@ def _print_table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> No
         cells = [cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])]
         last = row[-1] if len(row[-1]) <= room else row[-1][: room - 1] + "…"
         print("  ".join([*cells, last]).rstrip())
+
+
+# -- worker sweep ----------------------------------------------------------------
+
+
+async def sweep_command(
+    settings: Settings, *, redrive_claims: bool, limit: int, abandoned: bool = False
+) -> int:
+    """``worker sweep``: print stale claims as JSON lines; with --redrive, finish them.
+
+    ``abandoned``: print the abandoned claims instead (and re-drive nothing).
+    """
+    from worker.db import create_engine, session_factory
+    from worker.registry import import_handlers, registry
+    from worker.sweeper import abandoned_claims, redrive, stale_claims
+
+    import_handlers(settings.handler_modules)
+    engine = create_engine(settings.database_url, pool_size=2)
+    log = logs.get_logger(command="sweep")
+    try:
+        sessions = session_factory(engine)
+        if abandoned:
+            for claim in await abandoned_claims(sessions, limit):
+                print(json.dumps(claim))
+            return 0
+        for stale in await stale_claims(sessions, limit):
+            print(json.dumps(stale.as_dict()))
+        if redrive_claims:
+            results = await redrive(sessions, registry, settings, log, limit=limit)
+            log.info("sweep done", **dict(results))
+    finally:
+        await engine.dispose()
+    return 0
 
 
 # -- one line for every failure ----------------------------------------------------

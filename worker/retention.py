@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, cast
 from sqlalchemy import Table, any_, bindparam, delete, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, async_sessionmaker
 
-from worker import claims, metrics
+from worker import claims, metrics, sweeper
 from worker.errors import ConfigurationError
 from worker.inbox import InboxMarker
 from worker.logs import get_logger
@@ -191,7 +191,7 @@ async def housekeeping(
             metrics.purge_run("failed")
             log.warning("inbox purge failed", error=exc)
         try:
-            stale = await claims.stale_claims(sessions, limit=100)
+            stale = await sweeper.stale_claims(sessions, limit=100)
             if stale:
                 metrics.claims_swept("stale", len(stale))
                 log.warning(
@@ -201,7 +201,7 @@ async def housekeeping(
                     outcome="stale-claims",
                 )
                 if settings.sweep_redrive:
-                    swept = await claims.redrive(sessions, handlers, settings, log, limit=100)
+                    swept = await sweeper.redrive(sessions, handlers, settings, log, limit=100)
                     for action, count in swept.items():
                         metrics.claims_swept(action, count)
             metrics.sweep_run("ok")

@@ -26,7 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from tests.concurrency.concurrency_helpers import INBOX, inbox_rows
-from worker import claims, retention
+from worker import claims, cli, retention, sweeper
 from worker.brokers.memory import MemoryBroker
 from worker.claims import ClaimContext, side_effect
 from worker.db import Failure, classify, create_engine, session_factory
@@ -247,7 +247,7 @@ async def test_a_poison_claim_is_abandoned_and_never_redriven(
         "pay: provider: HTTP 422 card declined"
     ]
     sessions = session_factory(engine)
-    sweeps = [await claims.redrive(sessions, registry, settings, LOG) for _ in range(3)]
+    sweeps = [await sweeper.redrive(sessions, registry, settings, LOG) for _ in range(3)]
     [row] = await inbox_rows(engine)
     assert sweeps == [Counter()] * 3
     assert calls == Counter({"m1": 1})  # the provider was called once, not once per sweep
@@ -257,7 +257,7 @@ async def test_a_poison_claim_is_abandoned_and_never_redriven(
         "failed: Poison: provider: HTTP 422 card declined",
     )
     assert row.processed_at is not None  # the retention window counts from here
-    assert await claims.stale_claims(sessions) == []
+    assert await sweeper.stale_claims(sessions) == []
 
 
 async def test_a_failure_on_the_last_delivery_abandons_the_claim(
@@ -279,7 +279,7 @@ async def test_a_failure_on_the_last_delivery_abandons_the_claim(
     assert letter.reason.startswith("failed 2 deliveries")
     [row] = await inbox_rows(engine)
     assert (row.state, row.attempts) == ("abandoned", 2)
-    assert await claims.redrive(session_factory(engine), registry, settings, LOG) == Counter()
+    assert await sweeper.redrive(session_factory(engine), registry, settings, LOG) == Counter()
     assert calls == Counter({"m1": 2})
 
 
@@ -300,7 +300,7 @@ async def test_the_sweeper_abandons_claims_out_of_attempts_and_redrives_the_othe
     )
     await add_claim(engine, "fresh", attempts=1, age=timedelta(minutes=1))
     sessions = session_factory(engine)
-    sweeps = [await claims.redrive(sessions, registry, settings, LOG, limit=1) for _ in range(3)]
+    sweeps = [await sweeper.redrive(sessions, registry, settings, LOG, limit=1) for _ in range(3)]
     spent, fresh = await inbox_rows(engine)
     assert sweeps == [Counter({"exhausted": 1}), Counter({"committed": 1}), Counter()]
     assert calls == Counter({"fresh": 1})
@@ -343,7 +343,7 @@ async def test_abandoned_claims_are_listed_then_purged_with_the_finished_markers
         inbox_retention=timedelta(hours=1),
         purge_interval=0,
     )
-    await claims.sweep_command(settings, redrive_claims=False, limit=10, abandoned=True)
+    await cli.sweep_command(settings, redrive_claims=False, limit=10, abandoned=True)
     listed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(c["message_id"], c["state"], c["attempts"]) for c in listed] == [
         ("recent", "abandoned", 2),
@@ -414,7 +414,7 @@ async def test_a_call_that_timed_out_on_the_last_delivery_is_abandoned_with_its_
     await asyncio.sleep(resubmitted.remaining + 0.1)
     later = await claims.acquire(sessions, "m1", "pay", lease=2.0)
     assert isinstance(later, claims.Claim) and later.attempts == 2
-    assert await claims.stale_claims(sessions) == []  # abandoned: never the sweeper's
+    assert await sweeper.stale_claims(sessions) == []  # abandoned: never the sweeper's
 
 
 async def hold_key(engine: AsyncEngine) -> AsyncConnection:
@@ -533,8 +533,8 @@ async def test_claim_outcomes_are_scrubbed_in_the_inbox_and_in_worker_sweep(
         )[0]
     rows = {row.message_id: row for row in await inbox_rows(engine)}
     capsys.readouterr()  # the log lines so far (scrubbed by their own processor)
-    await claims.sweep_command(settings, redrive_claims=False, limit=10)
-    await claims.sweep_command(settings, redrive_claims=False, limit=10, abandoned=True)
+    await cli.sweep_command(settings, redrive_claims=False, limit=10)
+    await cli.sweep_command(settings, redrive_claims=False, limit=10, abandoned=True)
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
 
     assert all("S3cr3t" not in (row.outcome or "") for row in rows.values())
@@ -558,8 +558,8 @@ async def test_worker_sweep_scrubs_outcomes_stored_before_scrubbing_was_done(
     await add_claim(engine, "old-stale", age=timedelta(minutes=5), outcome=f"failed: {DSN}")
     await add_claim(engine, "old-gone", state="abandoned", outcome=f"failed: {DSN}")
     settings = make_settings(purge_interval=0)
-    await claims.sweep_command(settings, redrive_claims=False, limit=10)
-    await claims.sweep_command(settings, redrive_claims=False, limit=10, abandoned=True)
+    await cli.sweep_command(settings, redrive_claims=False, limit=10)
+    await cli.sweep_command(settings, redrive_claims=False, limit=10, abandoned=True)
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [p["last_outcome"] for p in printed] == ["failed: postgresql://ledger:***@db/x"] * 2
 
@@ -711,7 +711,7 @@ async def test_a_call_whose_writes_the_database_refuses_abandons_its_claim(
             raised.append(error.value)
         rows = await inbox_rows(engine)
         await asyncio.sleep(1.6)  # past the lease the claims had
-        swept = await claims.redrive(sessions, registry, settings, LOG)
+        swept = await sweeper.redrive(sessions, registry, settings, LOG)
     finally:
         await engine.dispose()
     assert [classify(exc) for exc in raised] == [Failure.DATA] * 2  # the pump: poison

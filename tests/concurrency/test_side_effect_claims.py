@@ -30,7 +30,7 @@ from tests.concurrency.concurrency_helpers import (
     record_statements,
     run_cli,
 )
-from worker import claims
+from worker import claims, sweeper
 from worker.brokers.memory import MemoryBroker
 from worker.claims import ClaimContext, side_effect
 from worker.db import create_engine, session_factory
@@ -232,19 +232,19 @@ async def test_a_server_failing_for_good_dead_letters_and_leaves_an_unfinished_c
     assert len(broker.dead_letters) == 1
     [row] = await inbox_rows(engine)
     assert (row.state, row.processed_at) == ("claimed", None)
-    stale = await claims.stale_claims(session_factory(engine))
+    stale = await sweeper.stale_claims(session_factory(engine))
     assert [(s.message_id, s.consumer, s.attempts) for s in stale] == [
         ("welcome-1", "welcome-email", 3)
     ]
 
     # 3 attempts = WORKER_MAX_DELIVERIES: the sweeper abandons the claim instead of calling.
     mail_server.fail = 0
-    results = await claims.redrive(session_factory(engine), mail_registry(), settings, LOG)
+    results = await sweeper.redrive(session_factory(engine), mail_registry(), settings, LOG)
     assert results == Counter({"exhausted": 1})
     assert mail_server.calls["welcome-1"] == 3
     [row] = await inbox_rows(engine)
     assert (row.state, row.outcome) == ("abandoned", "failed: Retry: mail API answered HTTP 503")
-    assert await claims.stale_claims(session_factory(engine)) == []
+    assert await sweeper.stale_claims(session_factory(engine)) == []
 
     # The provider recovered; an operator re-submits the dead letter.
     async with run_pumps([broker.connect()], [engine], mail_registry(), settings) as [pump]:
@@ -361,7 +361,7 @@ async def test_a_refusing_server_dead_letters_at_once(
     assert letter.reason == "welcome-email: mail API refused the message: HTTP 422"
     [row] = await inbox_rows(engine)
     assert row.state == "abandoned"  # never marked finished: the effect did not happen
-    assert await claims.stale_claims(session_factory(engine)) == []  # nor re-driven
+    assert await sweeper.stale_claims(session_factory(engine)) == []  # nor re-driven
 
 
 async def test_only_one_replica_takes_over_an_expired_claim(database_url: str) -> None:
