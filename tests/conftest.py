@@ -20,6 +20,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from tests.support.exclusive import holding
 from tests.support.rabbitmq import guest_url, throwaway_vhost
 from tests.support.services import require_service
 from tests.support.tansu import Tansu, running_tansu
@@ -31,6 +32,15 @@ from worker.settings import Settings
 POSTGRES_ADMIN_URL = os.environ.get(
     "WORKER_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
 )
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """A ``serial`` test runs alone: no other test runs meanwhile, in this run (``-n``) or any
+    other on this machine; see tests/support/exclusive.py. Outermost, so the wait for the lock
+    is outside pytest-timeout's limit and covers the test's setup and teardown."""
+    with holding(exclusive=item.get_closest_marker("serial") is not None):
+        yield
 
 
 async def _admin(sql: str) -> None:

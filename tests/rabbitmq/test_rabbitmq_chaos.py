@@ -39,6 +39,7 @@ pytestmark = [
     pytest.mark.rabbitmq,
     pytest.mark.postgres,
     pytest.mark.slow,
+    pytest.mark.serial,  # restarts RabbitMQ and PostgreSQL, and holds 40 of its 100 connections
     pytest.mark.timeout(480),
 ]
 

@@ -176,6 +176,7 @@ async def test_the_naive_handler_fails_the_same_scenario(
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # stop_app: every connection to the server drops, other tests' too
 async def test_a_rabbitmq_restart_loses_nothing(
     rabbit_settings: Any, pg: str, rabbitmq_vhost: str
 ) -> None:

@@ -57,6 +57,7 @@ def _copy_as_the_adapter_would(message_id: str, account: str, deliveries: int) -
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # stop_app: every connection to the server drops, other tests' too
 @pytest.mark.parametrize("kill", [False, True], ids=["workers-wait", "workers-sigkilled"])
 async def test_copies_waiting_in_every_delay_queue_survive_a_broker_restart(
     rabbit_settings: Any, rabbitmq_vhost: str, pg: str, tmp_path: Path, kill: bool
