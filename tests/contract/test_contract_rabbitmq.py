@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from tests.contract.base import BrokerContract, Harness
+from tests.contract.base import BATCH_MODE, BrokerContract, Harness
 from tests.rabbitmq.rabbit_helpers import all_depths
 from worker.brokers import Broker, DeadLetterInfo, OutgoingMessage
 from worker.brokers.rabbitmq import RabbitMQAdmin, RabbitMQBroker, RabbitMQSettings, make_identity
@@ -52,5 +52,21 @@ class TestRabbitMQContract(BrokerContract):
         self, rabbit_settings: Callable[..., RabbitMQSettings]
     ) -> AsyncIterator[Harness]:
         harness = RabbitMQHarness(rabbit_settings())
+        yield harness
+        await harness.close()
+
+
+class BatchRabbitMQHarness(RabbitMQHarness):
+    mode = BATCH_MODE
+
+
+class TestRabbitMQBatchContract(BrokerContract):
+    """The same contract in batch mode (acks of a batch go out as multiple-acks where safe)."""
+
+    @pytest.fixture
+    async def harness(
+        self, rabbit_settings: Callable[..., RabbitMQSettings]
+    ) -> AsyncIterator[Harness]:
+        harness = BatchRabbitMQHarness(rabbit_settings())
         yield harness
         await harness.close()

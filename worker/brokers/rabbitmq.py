@@ -10,7 +10,10 @@ Topology, declared idempotently by the worker and by ``worker publish`` / ``work
 
 Verb mapping (every move is a confirmed copy before the original is released):
 
-- ``ack``: ``basic.ack``.
+- ``ack``: ``basic.ack``. ``ack_many`` (batch mode): one ``basic.ack(multiple=True)``
+  for the run of the channel's lowest unsettled delivery tags that are all in the
+  batch (a multiple-ack covers every unacked tag up to it, other workers' included),
+  single acks for the rest.
 - ``nack(delay, counted)``: publish a copy to the delay queue whose TTL fits the
   delay, or straight to ``Q`` for an immediate retry, carrying the delivery count
   so far in ``x-worker-deliveries`` (one less when the message is not to blame),
@@ -37,7 +40,7 @@ import json
 import os
 import ssl
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -428,12 +431,13 @@ async def delete_topology(channel: AbstractChannel, settings: RabbitMQSettings) 
 
 
 class _Handle:
-    __slots__ = ("count", "generation", "message")
+    __slots__ = ("count", "generation", "message", "tag")
 
     def __init__(self, message: AbstractIncomingMessage, count: int, generation: int) -> None:
         self.message = message
         self.count = count
         self.generation = generation
+        self.tag = message.delivery_tag or 0
 
 
 class RabbitMQBroker:
@@ -457,6 +461,11 @@ class RabbitMQBroker:
         self._lost_at: float | None = None
         self.outages = 0
         self._exchanges: dict[str, AbstractExchange] = {}
+        # Delivery tags of this generation's channel not settled yet, ascending (tags grow
+        # with every delivery): a multiple-ack is safe only over a run of the lowest ones.
+        # A tag leaves once its settling frame went out, never before.
+        self._unsettled: dict[int, None] = {}
+        self.multiple_acks = 0
 
     @property
     def ready(self) -> bool:
@@ -531,6 +540,7 @@ class RabbitMQBroker:
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
         count = delivery_count(message)
         handle = _Handle(message, count, self._generation)
+        self._unsettled[handle.tag] = None
         if not self._consuming:  # raced with basic.cancel: give it straight back, uncounted
             with contextlib.suppress(SettlementLost):
                 await self.nack(handle, 0.0, counted=False)
@@ -558,6 +568,7 @@ class RabbitMQBroker:
         self._connected = False
         self.outages += 1
         self._generation += 1  # every unsettled delivery tag is void from here on
+        self._unsettled.clear()  # the channel that numbered them is gone
         self._lost_at = time.monotonic()
         while not self._buffer.empty():
             self._buffer.get_nowait()
@@ -601,11 +612,54 @@ class RabbitMQBroker:
                 await handle.message.nack(requeue=True)
         except _LOST:
             return False  # the channel is gone after all, and so is the delivery
+        self._settled(handle)
         return True
+
+    def _settled(self, handle: _Handle) -> None:
+        if handle.generation == self._generation:
+            self._unsettled.pop(handle.tag, None)
 
     async def ack(self, handle: _Handle) -> None:
         async with self._settling(handle, "ack"):
             await handle.message.ack()
+        self._settled(handle)
+
+    async def ack_many(self, handles: Sequence[_Handle]) -> list[_Handle]:
+        """Ack a batch; returns the handles whose ack was lost.
+
+        ``basic.ack(multiple=True)`` on tag T acks every unacked tag <= T on the channel,
+        whoever holds it. It is sent only for the run of the lowest unsettled tags that
+        are all in ``handles`` (two or more); a tag still running, being nacked or
+        dead-lettered elsewhere ends the run, and the rest are acked one by one.
+        """
+        ours = {h.tag: h for h in handles if h.generation == self._generation}
+        run: list[_Handle] = []
+        for tag in self._unsettled:  # ascending; stops at the first tag that is not ours
+            if tag not in ours:
+                break
+            run.append(ours[tag])
+        lost: list[_Handle] = []
+        if len(run) > 1:
+            top = run[-1]
+            try:
+                async with self._settling(top, "ack"):
+                    await top.message.ack(multiple=True)
+            except SettlementLost:
+                lost.extend(run)
+            else:
+                self.multiple_acks += 1
+                for handle in run:
+                    self._settled(handle)
+        else:
+            run = []
+        covered = {id(h) for h in run}
+        for handle in handles:
+            if id(handle) not in covered:
+                try:
+                    await self.ack(handle)
+                except SettlementLost:
+                    lost.append(handle)
+        return lost
 
     async def nack(self, handle: _Handle, delay: float | None, counted: bool = True) -> None:
         # Always a confirmed copy, never ``basic.nack(requeue=True)``: the copy carries
@@ -645,6 +699,7 @@ class RabbitMQBroker:
             await self._publish(copy, exchange, routing_key)
         async with self._settling(handle, verb):
             await handle.message.ack()
+        self._settled(handle)
 
     async def _publish(self, message: aio_pika.Message, exchange: str, routing_key: str) -> None:
         assert self._publisher is not None
