@@ -157,8 +157,8 @@ def waiting(log: Path, database: str, *, locked: bool) -> bool:
         try:
             return bool(
                 await connection.fetchval(
-                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                    "AND query ILIKE 'ALTER TABLE inbox%'"
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND wait_event_type = 'Lock' AND query ILIKE 'ALTER TABLE inbox%'"
                 )
             )
         finally:

@@ -81,8 +81,8 @@ async def test_a_migration_killed_during_its_index_build_is_rerun_to_success(
     try:
         building = await wait_for(
             lambda: monitor.fetchval(
-                "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                "AND query ILIKE 'CREATE INDEX CONCURRENTLY%'"
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                "AND wait_event_type = 'Lock' AND query ILIKE 'CREATE INDEX CONCURRENTLY%'"
             ),
             30,
             "the migrator to wait inside its concurrent index build",
@@ -144,7 +144,8 @@ async def test_a_ddl_waiting_for_its_lock_gives_up_instead_of_queueing_every_wor
     try:
         await wait_for(
             lambda: monitor.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE query ILIKE 'ALTER TABLE inbox%'"
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND state = 'active' AND query ILIKE 'ALTER TABLE inbox%'"
             ),
             30,
             "the migrator's ALTER TABLE",
