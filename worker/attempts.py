@@ -25,7 +25,18 @@ from __future__ import annotations
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 
-from sqlalchemy import DateTime, Index, Integer, String, Table, func
+from sqlalchemy import (
+    DateTime,
+    Index,
+    Integer,
+    String,
+    Table,
+    bindparam,
+    delete,
+    func,
+    select,
+    tuple_,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -33,7 +44,7 @@ from worker.db import Base
 from worker.logs import get_logger
 
 if TYPE_CHECKING:
-    from sqlalchemy.ext.asyncio import AsyncEngine
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
     from worker.delivery import Delivery
     from worker.registry import Handler
@@ -114,3 +125,27 @@ async def count(
         )
         return
     delivery.delivery_count = max(delivery.delivery_count, int(stored) + first)
+
+
+# Oldest first along ix_delivery_counts_updated_at, a bounded number of rows per statement.
+_PURGE = delete(_table).where(
+    tuple_(_table.c.message_id, _table.c.consumer).in_(
+        select(_table.c.message_id, _table.c.consumer)
+        .where(_table.c.updated_at < bindparam("cutoff"))
+        .order_by(_table.c.updated_at)
+        .limit(bindparam("batch"))
+    )
+)
+
+
+async def purge(connection: AsyncConnection, cutoff: datetime, batch: int, batches: int) -> int:
+    """Delete counts not touched since ``cutoff`` (the inbox's retention cutoff: no broker
+    redelivers the message any more), each batch its own short transaction."""
+    deleted = 0
+    for _ in range(batches):
+        result: Any = await connection.execute(_PURGE, {"cutoff": cutoff, "batch": batch})
+        await connection.commit()
+        deleted += result.rowcount
+        if result.rowcount < batch:
+            break
+    return deleted

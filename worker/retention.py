@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, cast
 from sqlalchemy import Table, any_, bindparam, delete, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, async_sessionmaker
 
-from worker import claims, metrics, sweeper
+from worker import attempts, claims, metrics, sweeper
 from worker.errors import ConfigurationError
 from worker.inbox import InboxMarker
 from worker.logs import get_logger
@@ -150,7 +150,7 @@ async def purge(
     is computed from the database's clock unless ``now`` is given, so a worker whose
     own clock runs ahead cannot purge markers early.
     """
-    deleted = batches = 0
+    deleted = batches = counts = 0
     async with exclusive(engine) as connection:
         if connection is None:
             return PurgeResult(False, 0, 0, (now or datetime.now(UTC)) - settings.retention)
@@ -168,6 +168,12 @@ async def purge(
             if result.rowcount < settings.purge_batch:
                 break
             await asyncio.sleep(pause)
+        # delivery counts (WORKER_DELIVERY_COUNTS=database) age out with the markers
+        counts = await attempts.purge(
+            connection, cutoff, settings.purge_batch, settings.purge_max_batches
+        )
+    if log is not None and counts:
+        log.info("delivery counts purged", deleted=counts, cutoff=cutoff.isoformat())
     if log is not None and deleted:
         log.info("inbox purged", deleted=deleted, batches=batches, cutoff=cutoff.isoformat())
     return PurgeResult(True, deleted, batches, cutoff)

@@ -169,3 +169,31 @@ async def test_after_a_clean_hand_over_nothing_is_suspect(
     async with member(kafka, url) as b:
         nxt = await receive(b)
         assert (offset(nxt), nxt.delivery_count) == (1, 1)
+
+
+@pytest.mark.parametrize("database_url", ["sqlite", "postgresql"], indirect=True)
+async def test_delivery_counts_age_out_with_the_inbox_markers(database_url: str) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from tests.support.database import execute
+    from worker import retention
+
+    settings = Settings(database_url=database_url, purge_batch=2)
+    now = datetime.now(UTC)
+    old = (now - settings.retention - timedelta(hours=1)).strftime("%Y-%m-%d %H:%M:%S")
+    await execute(
+        database_url,
+        *[
+            f"INSERT INTO delivery_counts (message_id, consumer, deliveries, updated_at) "
+            f"VALUES ('old-{n}', 'c', 2, '{old}')"
+            for n in range(5)
+        ],
+        "INSERT INTO delivery_counts (message_id, consumer, deliveries) VALUES ('new', 'c', 3)",
+    )
+    engine = create_engine(database_url)
+    try:
+        result = await retention.purge(engine, settings, now=now, pause=0)
+    finally:
+        await engine.dispose()
+    assert result.ran
+    assert await counts(database_url) == {"new": 3}

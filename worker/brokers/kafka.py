@@ -20,9 +20,20 @@ Kafka has no per-message settlement, so the verbs map onto offsets:
 
 Kafka keeps no delivery count: the adapter counts attempts per record in
 memory, so a restart (or a record landing on another member) starts again at 1.
+With ``WORKER_DELIVERY_COUNTS=database`` it records ahead which offsets it may
+start (``consumer_offsets.started_through``), and a later owner hands those out
+as possible redeliveries, which the pump counts in the database.
 A settlement of a record whose partition was revoked raises
 :class:`~worker.errors.SettlementLost`: the new owner gets the record again and
 the inbox absorbs whatever this process already committed to the database.
+
+``WORKER_KAFKA_OFFSETS=database`` (:mod:`worker.brokers.kafka_offsets`): a newly
+assigned partition is claimed (its row's epoch + 1) and sought to the stored
+offset before any record is handed out; each delivery's ``in_transaction``
+writes the offset past it in the handler's own commit, guarded by the epoch, so
+a member that lost the partition cannot commit. Broker commits go on, advisory.
+Deliveries carry ``group = (topic, partition)``: a batch (``WORKER_BATCH_SIZE``,
+that many contiguous records of a partition out at once) stays in one partition.
 """
 
 from __future__ import annotations
