@@ -14,7 +14,8 @@ from sqlalchemy import Numeric, bindparam, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from handlers.credit import Account, CreditRequested, apply_credit
-from worker.brokers.memory import MemoryBroker
+from worker.brokers.memory import MemoryBroker, MemoryConsumer
+from worker.delivery import Delivery
 from worker.errors import ConfigurationError, Poison
 from worker.inbox import InboxMarker
 from worker.registry import BatchContext, Context, Registry
@@ -311,3 +312,62 @@ async def test_batch_mode_prefetch_fills_every_worker(make_settings: Any) -> Non
         assert Pump(MemoryBroker().connect(), engine, registry, off).prefetch == 64
     finally:
         await engine.dispose()
+
+
+# -- adapter seams: group and in_transaction ------------------------------------------------
+
+
+class PartitionedConsumer(MemoryConsumer):
+    """Deliveries grouped by a ``p`` header (a Kafka partition), each storing its "offset"
+    in the handler's transaction, as the Kafka adapter does."""
+
+    def __init__(self, broker: MemoryBroker, stored: list[str]) -> None:
+        super().__init__(broker)
+        self.stored = stored
+
+    def accept(self, flight: Any) -> None:
+        super().accept(flight)
+        delivery: Delivery = self._inbox._queue[-1]  # type: ignore[attr-defined]
+        delivery.group = delivery.headers.get("p")
+
+        async def store(session: Any, message_id: str | None = delivery.message_id) -> None:
+            assert session.in_transaction()
+            self.stored.append(str(message_id))
+
+        delivery.in_transaction = store
+
+
+async def test_a_batch_keeps_to_one_group_in_receive_order_and_stores_each_commit(
+    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+) -> None:
+    batches: list[list[tuple[str, str]]] = []
+    registry = Registry()
+
+    @registry.handler("Credit", CreditRequested, consumer="credit", batch=True)
+    async def credit(ctx: BatchContext, messages: Sequence[CreditRequested]) -> None:
+        if len(messages) > 1 and any(m.account_id == "bad" for m in messages):
+            raise RuntimeError("the batch fails; one at a time, only 'bad' fails")
+        if messages[0].account_id == "bad":
+            raise RuntimeError("bad")
+        batches.append([(ctx.headers[i]["p"], ctx.message_ids[i]) for i in range(len(messages))])
+        await upsert_credits(ctx, messages)
+
+    broker, stored = MemoryBroker(), []
+    for n in range(12):
+        account = "bad" if n == 7 else "a"
+        broker.publish(f"m-{n}", "Credit", body(account, "1"), {"p": n % 2})
+    broker.publish("m-0", "Credit", body("a", "1"), {"p": 0})  # a duplicate: stores nothing
+    settings = make_settings(batch_size=4, batch_wait=0.2, concurrency=1, max_deliveries=1)
+    consumer = PartitionedConsumer(broker, stored)
+    broker.consumers.append(consumer)
+    async with run_pumps([consumer], [engine], registry, settings):
+        await broker.wait_idle(20)
+    for batch in batches:
+        assert len({p for p, _ in batch}) == 1  # never two groups in one transaction
+        ids = [int(m.split("-")[1]) for _, m in batch]
+        assert ids == sorted(ids)  # receive order
+    assert sorted(stored, key=lambda m: int(m.split("-")[1])) == [
+        f"m-{n}" for n in range(12) if n != 7
+    ]  # each committed delivery's hook ran in its commit, once; the failed one's did not
+    assert [d.message.message_id for d in broker.dead_letters] == ["m-7"]
+    assert await balances(engine) == {"a": Decimal(11)}
