@@ -27,7 +27,8 @@ then each delivery is settled on its own, as the per-message table in
 
 Side-effect claims and keyed handlers never share a transaction: their types, and
 deliveries that need the per-message path's care (no id, undecodable, past
-WORKER_MAX_DELIVERIES), run one at a time.
+WORKER_MAX_DELIVERIES, counted in the database by WORKER_DELIVERY_COUNTS=database),
+run one at a time.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from worker import inbox, metrics
+from worker import attempts, inbox, metrics
 from worker.db import HANDLER_RUNNING, Failure, HandlerRun, classify
 from worker.delivery import Delivery, ack_many
 from worker.errors import (
@@ -125,7 +126,10 @@ class BatchRunner:
         message_id = delivery.message_id
         if message_id is None or len(message_id) > inbox.MESSAGE_ID_LENGTH:
             return None
-        if delivery.delivery_count > self.pump.settings.max_deliveries:
+        settings = self.pump.settings
+        if delivery.delivery_count > settings.max_deliveries:
+            return None
+        if attempts.wanted(delivery, settings):  # counted in the database, by the pump's path
             return None
         return delivery.type, delivery.group
 

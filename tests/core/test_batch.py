@@ -371,3 +371,32 @@ async def test_a_batch_keeps_to_one_group_in_receive_order_and_stores_each_commi
     ]  # each committed delivery's hook ran in its commit, once; the failed one's did not
     assert [d.message.message_id for d in broker.dead_letters] == ["m-7"]
     assert await balances(engine) == {"a": Decimal(11)}
+
+
+async def test_what_batch_mode_leaves_to_the_per_message_path(make_settings: Any) -> None:
+    from worker.batch import BatchRunner
+    from worker.db import create_engine
+    from worker.pump import Pump
+
+    registry = credit_registry("orm")
+    registry.handler("Keyed", CreditRequested, consumer="keyed", key=lambda m: m.account_id)(
+        apply_credit
+    )
+    engine = create_engine("sqlite+aiosqlite:///unused.db")
+    broker = MemoryBroker()
+    consumer = broker.connect()
+    try:
+        settings = make_settings(batch_size=8, delivery_counts="database", max_deliveries=3)
+        runner = BatchRunner(Pump(consumer, engine, registry, settings))
+
+        def delivery(message_id: str | None, type_: str, count: int = 1) -> Delivery:
+            return Delivery(message_id, type_, body("a", "1"), {}, count, consumer, None)
+
+        assert runner.key(delivery("m", "Credit")) == ("Credit", None)
+        assert runner.key(delivery("m", "Keyed")) is None  # keyed: one at a time
+        assert runner.key(delivery(None, "Credit")) is None  # no id: dead-lettered there
+        assert runner.key(delivery("m", "Credit", count=2)) is None  # counted in the database
+        assert runner.key(delivery("m", "Credit", count=4)) is None  # past the limit
+        assert runner.key(delivery("m", "NoSuchType")) is None
+    finally:
+        await engine.dispose()
