@@ -1165,7 +1165,10 @@ class KafkaBroker:
             if partition.busy or partition.slot is None:
                 continue
             try:
-                await kafka_offsets.hand_over(self._engine, partition.slot, partition.handed)
+                # what this member handed out, and what a crashed owner before it may have
+                # started and this member never reached: still suspect for the next one
+                through = max(partition.handed, partition.suspect_through)
+                await kafka_offsets.hand_over(self._engine, partition.slot, through)
             except Exception as exc:
                 self._log.warning("hand-over not stored", partition=partition.label, error=exc)
 
