@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import (
     BigInteger,
@@ -17,13 +18,15 @@ from sqlalchemy import (
     UniqueConstraint,
     bindparam,
     func,
-    insert,
     literal,
     select,
     text,
 )
+from sqlalchemy.engine import CursorResult
 from sqlalchemy.ext.asyncio import AsyncSession
-from sqlalchemy.orm import Mapped, mapped_column
+from sqlalchemy.orm import Mapped, Session, mapped_column
+from sqlalchemy.sql import ClauseElement
+from sqlalchemy.sql.compiler import SQLCompiler
 
 from worker.db import INBOX_CONSTRAINT, Base
 
@@ -76,8 +79,49 @@ class InboxMarker(Base):
 
 _table = InboxMarker.__table__
 assert isinstance(_table, Table)
-_MARK = insert(_table).values(message_id=bindparam("m"), consumer=bindparam("c"))
-_EXISTS = (
+
+
+class _Statement:
+    """A statement the pump runs on every delivery, compiled once per dialect.
+
+    It runs as the driver's own SQL (``Connection.exec_driver_sql``) inside the
+    session's transaction: no ORM execute, no cache-key walk, no compiled-cache lookup,
+    and still SQLAlchemy's error translation and its ``handle_error`` event
+    (worker/db.py), so a duplicate is the same ``IntegrityError`` as ever. Call the
+    methods through ``AsyncSession.run_sync``: one greenlet hop, as ``execute`` takes.
+    """
+
+    __slots__ = ("_by_dialect", "statement")
+
+    def __init__(self, statement: ClauseElement) -> None:
+        self.statement = statement
+        self._by_dialect: dict[str, tuple[str, tuple[str, ...] | None, dict[str, Any]]] = {}
+
+    def run(self, session: Session, params: dict[str, Any]) -> CursorResult[Any]:
+        connection = session.connection()
+        dialect = connection.dialect
+        compiled = self._by_dialect.get(dialect.name)
+        if compiled is None:
+            done = self.statement.compile(dialect=dialect)
+            assert isinstance(done, SQLCompiler)
+            names = tuple(done.positiontup or ()) if done.positional else None
+            compiled = self._by_dialect[dialect.name] = (done.string, names, dict(done.params))
+        sql, names, defaults = compiled
+        if names is None:  # a named paramstyle (neither asyncpg nor aiosqlite has one)
+            return connection.exec_driver_sql(sql, {**defaults, **params})
+        values = tuple(params[n] if n in params else defaults[n] for n in names)
+        return connection.exec_driver_sql(sql, values)
+
+    def one(self, session: Session, params: dict[str, Any]) -> tuple[Any, ...]:
+        return tuple(self.run(session, params).one())
+
+    def exists(self, session: Session, params: dict[str, Any]) -> bool:
+        return self.run(session, params).first() is not None
+
+
+# Plain SQL, not insert(): a Core insert compiles with RETURNING inbox.id on PostgreSQL.
+_MARK = _Statement(text("INSERT INTO inbox (message_id, consumer) VALUES (:m, :c)"))
+_EXISTS = _Statement(
     select(literal(1))
     .where(_table.c.message_id == bindparam("m"), _table.c.consumer == bindparam("c"))
     .where(_table.c.state == "finished")  # a claimed or abandoned side effect is not done
@@ -90,14 +134,18 @@ _EXISTS = (
 # same message elsewhere), and the insert puts the previous lock_timeout back, so the
 # handler's own statements wait as long as they always did. Same round trips as the
 # plain fast path + marker; a first delivery never pays for any of it.
-_PROBE = text(
-    "WITH previous AS MATERIALIZED (SELECT current_setting('lock_timeout') AS value) "
-    "SELECT previous.value, set_config('lock_timeout', :t, true), "
-    "EXISTS (SELECT 1 FROM inbox WHERE message_id = :m AND consumer = :c) FROM previous"
+_PROBE = _Statement(
+    text(
+        "WITH previous AS MATERIALIZED (SELECT current_setting('lock_timeout') AS value) "
+        "SELECT previous.value, set_config('lock_timeout', :t, true), "
+        "EXISTS (SELECT 1 FROM inbox WHERE message_id = :m AND consumer = :c) FROM previous"
+    )
 )
-_MARK_THEN_RESTORE = text(
-    "WITH marked AS (INSERT INTO inbox (message_id, consumer) VALUES (:m, :c) RETURNING 1) "
-    "SELECT set_config('lock_timeout', :previous, true) FROM marked"
+_MARK_THEN_RESTORE = _Statement(
+    text(
+        "WITH marked AS (INSERT INTO inbox (message_id, consumer) VALUES (:m, :c) RETURNING 1) "
+        "SELECT set_config('lock_timeout', :previous, true) FROM marked"
+    )
 )
 
 
@@ -106,21 +154,23 @@ _MARK_THEN_RESTORE = text(
 # feature) instead of letting them collide on a version token. The first delivery's lock
 # and marker share one round trip.
 _KEY_LOCK = "pg_advisory_xact_lock(hashtextextended('worker-key:' || :k, 0))"
-_LOCK_KEY = text(f"SELECT {_KEY_LOCK}")
-_LOCK_KEY_THEN_MARK = text(
-    f"WITH locked AS MATERIALIZED (SELECT {_KEY_LOCK}) "
-    "INSERT INTO inbox (message_id, consumer) SELECT :m, :c FROM locked"
+_LOCK_KEY = _Statement(text(f"SELECT {_KEY_LOCK}"))
+_LOCK_KEY_THEN_MARK = _Statement(
+    text(
+        f"WITH locked AS MATERIALIZED (SELECT {_KEY_LOCK}) "
+        "INSERT INTO inbox (message_id, consumer) SELECT :m, :c FROM locked"
+    )
 )
 
 
 async def lock_key(session: AsyncSession, key: str) -> None:
     """PostgreSQL: hold ``key`` until this transaction ends (other holders wait)."""
-    await session.execute(_LOCK_KEY, {"k": key})
+    await session.run_sync(_LOCK_KEY.run, {"k": key})
 
 
 async def mark_keyed(session: AsyncSession, message_id: str, consumer: str, key: str) -> None:
     """PostgreSQL: :func:`lock_key`, then :func:`mark`, in one round trip."""
-    await session.execute(_LOCK_KEY_THEN_MARK, {"k": key, "m": message_id, "c": consumer})
+    await session.run_sync(_LOCK_KEY_THEN_MARK.run, {"k": key, "m": message_id, "c": consumer})
 
 
 async def mark_redelivery(
@@ -139,12 +189,13 @@ async def mark_redelivery(
     (``Failure.LOCKED``): in progress elsewhere.
     """
     params = {"t": f"{lock_timeout_ms}ms", "m": message_id, "c": consumer}
-    row = (await session.execute(_PROBE, params)).one()
+    row = await session.run_sync(_PROBE.one, params)
     if fast_path and row[2]:
         return True
     if key is not None:
         await lock_key(session, key)
-    await session.execute(_MARK_THEN_RESTORE, {"m": message_id, "c": consumer, "previous": row[0]})
+    restore = {"m": message_id, "c": consumer, "previous": row[0]}
+    await session.run_sync(_MARK_THEN_RESTORE.run, restore)
     return False
 
 
@@ -155,12 +206,12 @@ async def mark(session: AsyncSession, message_id: str, consumer: str) -> None:
     replica inserting the same key then waits for this transaction, and gets
     the unique violation without running the handler at all.
     """
-    await session.execute(_MARK, {"m": message_id, "c": consumer})
+    await session.run_sync(_MARK.run, {"m": message_id, "c": consumer})
 
 
 async def seen(session: AsyncSession, message_id: str, consumer: str) -> bool:
     """The fast path for redeliveries. Never the guarantee: the constraint is."""
-    return (await session.execute(_EXISTS, {"m": message_id, "c": consumer})).first() is not None
+    return await session.run_sync(_EXISTS.exists, {"m": message_id, "c": consumer})
 
 
 # Batch mode (worker/batch.py): one statement marks many messages and reports which are
