@@ -425,19 +425,16 @@ class Pump:
                 )
                 run = HandlerRun()
                 running = HANDLER_RUNNING.set(run)
-                try:
-                    if timeout is None:
+                try:  # inline, not a wrapper coroutine: every resume of the handler skips a frame
+                    async with asyncio.timeout(timeout):
                         await handler.func(context, message)
-                    else:
-                        await _with_timeout(handler.func(context, message), timeout)
+                except TimeoutError as exc:
+                    if timeout is None:
+                        raise
+                    raise _overran(timeout) from exc
                 finally:
                     HANDLER_RUNNING.reset(running)
-                if run.failures:
-                    raise StatementSwallowed(
-                        "a statement failed inside the handler and the handler carried on; "
-                        "the transaction is aborted: catch database errors inside "
-                        "`async with ctx.session.begin_nested():` instead"
-                    ) from run.failures[0]
+                _refuse_swallowed(run)
                 if delivery.in_transaction is not None:
                     await delivery.in_transaction(session)
                 await AsyncSession.commit(session)
@@ -804,12 +801,17 @@ def _bind(
     return work
 
 
-async def _with_timeout(call: Any, seconds: float) -> None:
-    try:
-        async with asyncio.timeout(seconds):
-            await call
-    except TimeoutError as exc:
-        raise HandlerTimeout(f"handler ran longer than WORKER_HANDLER_TIMEOUT={seconds}s") from exc
+def _refuse_swallowed(run: HandlerRun) -> None:
+    if run.failures:
+        raise StatementSwallowed(
+            "a statement failed inside the handler and the handler carried on; "
+            "the transaction is aborted: catch database errors inside "
+            "`async with ctx.session.begin_nested():` instead"
+        ) from run.failures[0]
+
+
+def _overran(seconds: float) -> HandlerTimeout:
+    return HandlerTimeout(f"handler ran longer than WORKER_HANDLER_TIMEOUT={seconds}s")
 
 
 async def _discard(session: AsyncSession) -> None:
