@@ -40,6 +40,7 @@ from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from worker import attempts, inbox, metrics
@@ -68,6 +69,17 @@ _DEFERRED = (Failure.TRANSIENT, Failure.CONFLICT, Failure.LOCKED)
 """A savepoint that lost to another writer: the message runs on its own after the commit."""
 _WHOLE = (Failure.CONNECTION, Failure.SCHEMA)
 """A savepoint failure that is the transaction's, not the message's."""
+# PostgreSQL, ordinary handlers in savepoints: a batch holds the rows it wrote until its
+# commit, and two batches that write shared rows in different orders deadlock (found only
+# after deadlock_timeout, 1 s by default). A handler statement therefore waits at most this
+# long for a row another transaction holds; then that message runs again on its own after
+# the commit (deferred, uncounted), where waiting is safe again.
+_ROW_LOCK_WAIT = "50ms"
+_BOUND_LOCKS = text(
+    "WITH previous AS MATERIALIZED (SELECT current_setting('lock_timeout') AS value) "
+    "SELECT previous.value, set_config('lock_timeout', :t, true) FROM previous"
+)
+_RESTORE_LOCKS = text("SELECT set_config('lock_timeout', :t, true)")
 _SWALLOWED = (
     "a statement failed inside the handler and the handler carried on; the transaction is "
     "aborted: catch database errors inside `async with ctx.session.begin_nested():` instead"
@@ -79,7 +91,7 @@ BatchKey = tuple[str | None, Hashable]
 class _Item:
     """One delivery in a batch: its decoded messages and where its handlers left it."""
 
-    __slots__ = ("consumer", "decoded", "delivery", "twins", "verdict")
+    __slots__ = ("consumer", "decoded", "deferred", "delivery", "twins", "verdict")
 
     def __init__(self, delivery: Delivery, decoded: dict[type[BaseModel], BaseModel]) -> None:
         self.delivery = delivery
@@ -87,6 +99,7 @@ class _Item:
         self.verdict = COMMITTED
         self.consumer: str | None = None
         self.twins: list[Delivery] = []  # later deliveries of the same id in this batch
+        self.deferred = False  # lost to another writer: runs on its own after the batch
 
     @property
     def message_id(self) -> str:
@@ -221,11 +234,18 @@ class BatchRunner:
             for item in live:
                 item.delivery.in_transaction = stores[item] if handler is handlers[-1] else None
             await self._stage(handler, live)
-            live = [item for item in live if item.verdict.verb is Verb.ACK]
+            live = [item for item in live if item.verdict.verb is Verb.ACK and not item.deferred]
             if not live:
                 break
-        await self._settle(items)
-        for delivery in singles:  # undecodable ones, and twins whose first copy failed
+        for item, store in stores.items():
+            item.delivery.in_transaction = store
+        await self._settle([item for item in items if not item.deferred])
+        # then, each on its own: messages that lost to another writer inside the batch (their
+        # earlier handlers' markers make those duplicates), their twins, undecodable ones
+        for item in items:
+            if item.deferred:
+                singles = [item.delivery, *item.twins, *singles]
+        for delivery in singles:
             if delivery.settled is None:
                 await self.pump._one(delivery)
 
@@ -293,7 +313,8 @@ class BatchRunner:
         elapsed = (time.perf_counter() - started) / max(len(items), 1)
         for _ in items:
             metrics.observe_handler(handler.consumer, elapsed)
-        await self._one_by_one(handler, deferred)
+        for item in deferred:
+            item.deferred = True
 
     async def _one_by_one(self, handler: Handler[Any], items: list[_Item]) -> None:
         """The per-message path, for each item on its own (batch handlers get a list of one)."""
@@ -350,7 +371,10 @@ class BatchRunner:
         if handler.batch is not None:
             await self._call_batch(session, handler, fresh, attempt)
             verdicts.update((item, COMMITTED) for item in fresh)
-        else:
+        elif fresh:
+            previous = None
+            if self.pump._postgres:
+                previous = (await session.execute(_BOUND_LOCKS, {"t": _ROW_LOCK_WAIT})).one()[0]
             for item in fresh:
                 try:
                     verdicts[item] = await self._savepoint(session, handler, item, attempt)
@@ -361,6 +385,8 @@ class BatchRunner:
                     continue
                 if verdicts[item] is not COMMITTED and handler.inbox:
                     await inbox.unmark(session, item.message_id, consumer)
+            if previous is not None:
+                await session.execute(_RESTORE_LOCKS, {"t": previous})
         for item in fresh:
             hook = item.delivery.in_transaction
             if hook is not None and verdicts.get(item) is COMMITTED:

@@ -14,6 +14,7 @@ from sqlalchemy import Numeric, bindparam, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from handlers.credit import Account, CreditRequested, apply_credit
+from tests.support.waiting import wait_for
 from worker.brokers.memory import MemoryBroker, MemoryConsumer
 from worker.delivery import Delivery
 from worker.errors import ConfigurationError, Poison
@@ -398,5 +399,44 @@ async def test_what_batch_mode_leaves_to_the_per_message_path(make_settings: Any
         assert runner.key(delivery("m", "Credit", count=2)) is None  # counted in the database
         assert runner.key(delivery("m", "Credit", count=4)) is None  # past the limit
         assert runner.key(delivery("m", "NoSuchType")) is None
+    finally:
+        await engine.dispose()
+
+
+async def test_a_row_held_elsewhere_sends_its_message_around_not_the_batch_waiting(
+    postgres_only_url: str, make_settings: Any, run_pumps: Any
+) -> None:
+    """Batches that wait on each other's rows deadlock; a savepoint waits 50 ms at most."""
+    from worker.db import create_engine
+
+    engine = create_engine(postgres_only_url, pool_size=6)
+    registry = credit_registry("orm")
+    settings = make_settings(
+        database_url=postgres_only_url, batch_size=3, batch_wait=0.5, concurrency=1
+    )
+    broker = MemoryBroker()
+    async with engine.begin() as connection:
+        await connection.execute(text("INSERT INTO accounts VALUES ('held', 0, 1)"))
+    try:
+        async with engine.connect() as holder:
+            transaction = await holder.begin()
+            await holder.execute(
+                text("UPDATE accounts SET balance = 100, version = 2 WHERE id = 'held'")
+            )
+            for n, account in enumerate(["free-1", "held", "free-2"]):
+                broker.publish(f"m-{n}", "Credit", body(account, "1"))
+            async with run_pumps([broker.connect()], [engine], registry, settings) as [pump]:
+                # the free ones commit while the row is still held: nobody waited on it
+                await wait_for(lambda: pump.stats["committed"] >= 2, 10, "the free credits")
+                assert [mid for verb, mid, _ in broker.history] == ["m-0", "m-2"]
+                await transaction.commit()  # the held row is free: its message runs alone
+                await broker.wait_idle(10)
+        assert pump.stats["batch-deferred"] == 1 and pump.stats["batch-fallback"] == 0
+        assert sorted(broker.history) == [("ack", f"m-{n}", 1) for n in range(3)]
+        assert await balances(engine) == {
+            "free-1": Decimal(1),
+            "free-2": Decimal(1),
+            "held": Decimal(101),
+        }
     finally:
         await engine.dispose()
