@@ -19,6 +19,7 @@ from azure.servicebus import ServiceBusMessage
 
 from tests.servicebus.fake import Entity, FakeServiceBus
 from tests.servicebus.sb_settings import sb_settings
+from tests.support.waiting import wait_for
 from worker.brokers import servicebus
 from worker.brokers.servicebus import (
     COPIED_AT_PROPERTY,
@@ -218,8 +219,7 @@ async def test_stop_gives_back_untaken_messages_uncounted_and_together(
 ) -> None:
     await send(bus, *(msg(f"m-{n}") for n in range(8)))
     consumer = await consumers(slots=8)
-    await asyncio.sleep(0.5)  # all eight fetched, none taken
-    assert queue.locked == 8
+    await wait_for(lambda: queue.locked == 8, 10, "all eight fetched (none taken)")
     bus.latency = 0.3  # one by one this would take 8 round trips: 2.4 s
     started = time.monotonic()
     await consumer.stop_receiving()
@@ -238,7 +238,7 @@ async def test_stop_is_bounded_when_the_give_back_hangs(
 ) -> None:
     await send(bus, *(msg(f"m-{n}") for n in range(3)))
     consumer = await consumers(slots=3, give_back_timeout=0.5)
-    await asyncio.sleep(0.5)
+    await wait_for(lambda: queue.locked == 3, 10, "all three fetched (none taken)")
     bus.hang("complete", times=3)
     started = time.monotonic()
     with structlog.testing.capture_logs() as logs:
