@@ -145,7 +145,7 @@ async def test_a_stalled_event_loop_fails_liveness_from_the_ops_thread(run_pump:
             answers: list[tuple[int, str]] = []
 
             def probe() -> None:
-                time.sleep(0.8)  # while the loop below is stuck
+                time.sleep(0.8)  # the loop below is stuck all along: past the stall timeout
                 url = f"http://127.0.0.1:{server.port}{HEALTHZ}"
                 try:
                     with urllib.request.urlopen(url, timeout=5) as response:
@@ -155,15 +155,17 @@ async def test_a_stalled_event_loop_fails_liveness_from_the_ops_thread(run_pump:
 
             prober = threading.Thread(target=probe)
             prober.start()
-            time.sleep(1.5)  # noqa: ASYNC251 - the point: blocking code stops the whole loop
-            await asyncio.to_thread(prober.join, 5)
+            # the point: blocking code stops the whole loop, here until the probe has its
+            # answer (a fixed 1.5 s block let a probe delayed by a busy machine arrive late)
+            prober.join(10)
             assert len(answers) == 1
             status, text = answers[0]
             assert status == 503
             assert "event loop stalled" in json.loads(text)["reason"]
 
-            await asyncio.sleep(0.5)  # the loop turns again: alive again
-            assert (await get(server.port, HEALTHZ))[0] == 200
+            async with asyncio.timeout(5):  # the loop turns again: alive again
+                while (await get(server.port, HEALTHZ))[0] != 200:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
         finally:
             await server.stop()
 
