@@ -53,7 +53,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from decimal import Decimal
 from pathlib import Path
@@ -92,6 +92,7 @@ class Row:
     dedup: bool = True
     scenarios: tuple[float, ...] = SCENARIOS
     serve: str = ""  # a consumer of this module (--serve), or "" for `worker run`
+    tree: str = ""  # --tree: `worker run` from another checkout (before/after, one run)
 
     @property
     def message_type(self) -> str:
@@ -177,14 +178,16 @@ def batch_mode_on_main() -> bool:
 
 
 class ServedProcess(WorkerProcess):
-    """A consumer of this module in its own process (``--serve <kind>``)."""
+    """A consumer of this module (``--serve <kind>``), or ``worker run`` from ``tree``."""
 
-    def __init__(self, kind: str, env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, kind: str, env: dict[str, str], log_path: Path, tree: str = "") -> None:
         self.log_path = log_path
         self._log = log_path.open("wb")
         command = [sys.executable, "-m", "benchmarks.throughput", "--serve", kind]
+        if tree:
+            command, env = [sys.executable, "-m", "worker.cli", "run"], {**env, "PYTHONPATH": tree}
         self.process = subprocess.Popen(
-            command, env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT
+            command, env=env, cwd=tree or REPO, stdout=self._log, stderr=subprocess.STDOUT
         )
 
 
@@ -274,7 +277,10 @@ async def run_once(
     result = Result()
     path = logs / f"{tag}.log"
     spawned = time.time()
-    process = ServedProcess(row.serve, env, path) if row.serve else WorkerProcess(env, path)
+    if row.serve or row.tree:
+        process: WorkerProcess = ServedProcess(row.serve, env, path, row.tree)
+    else:
+        process = WorkerProcess(env, path)
     try:
         ended = await drained(process, row, port, rabbit, args, result, spawned)
         result.rss_mb = _peak_rss_mb(process.process.pid)
@@ -492,7 +498,7 @@ def report(
     widths = (50, 7, 8, 8, 13, 8, 8, 6, 7)
     print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for row in ROWS:
+    for row in results:
         if row.batch and not batch:
             print(f"| {row.label.ljust(widths[0])} | {NOT_ON_MAIN} |")
             continue
@@ -533,11 +539,12 @@ async def main(args: argparse.Namespace) -> int:
     name = f"throughput_{uuid.uuid4().hex[:8]}"
     args.database_url = args.postgres.rsplit("/", 1)[0] + f"/{name}"
     batch = batch_mode_on_main()
-    rows = [r for r in ROWS if not args.only or any(o in r.label for o in args.only.split(","))]
+    every = [*ROWS, *tree_rows(args.tree)]
+    rows = [r for r in every if not args.only or any(o in r.label for o in args.only.split(","))]
     rows = [r for r in rows if batch or not r.batch]
     if BASELINE not in rows:
         rows.insert(0, BASELINE)
-    results: dict[Row, dict[float, list[Result]]] = {row: {} for row in ROWS}
+    results: dict[Row, dict[float, list[Result]]] = {row: {} for row in every}
     logs = Path(tempfile.mkdtemp(prefix="throughput_"))
     await admin_sql(args.postgres, f'CREATE DATABASE "{name}"')
     failed = False
@@ -574,6 +581,16 @@ async def main(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def tree_rows(trees: list[str]) -> list[Row]:
+    """The per-message worker rows again, each from a ``NAME=PATH`` checkout."""
+    extra = []
+    for spec in trees:
+        name, _, path = spec.partition("=")
+        for row in ROWS[3:6]:
+            extra.append(replace(row, label=f"{row.label} [{name}]", tree=path))
+    return extra
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--messages", type=int, default=5000)
@@ -585,6 +602,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--only", default="", help="rows whose label contains one of these")
     parser.add_argument(
         "--postgres", default="postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
+    )
+    parser.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="also run the per-message worker rows from this checkout (before/after)",
     )
     parser.add_argument("--serve", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
