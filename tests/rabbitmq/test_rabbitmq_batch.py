@@ -94,10 +94,10 @@ async def test_a_batch_pump_acks_in_ranges_and_redelivers_the_failure(
 
     registry, seen = credit_registry(fail_once)
     await publish(rabbit, [credit(f"b-{n}", f"acct-{n % 4}", "1.00") for n in range(40)])
-    async with running(rabbit, pg, registry, batch_size=8, batch_wait=0.05, concurrency=2) as pump:
+    async with running(rabbit, pg, registry, batch_size=8, batch_wait=0.05, concurrency=1) as pump:
         await wait_for(lambda: pump.stats["ack"] >= 40, 20, "40 acks")
         broker: Any = pump.broker
-        assert broker.multiple_acks > 0
+        assert broker.multiple_acks >= 4  # one batch at a time: its tags are the lowest
         assert pump.stats["nack"] == 1
     assert sorted(count for count, _ in seen).count(2) == 1  # only b-13 came back
     assert await balances(pg) == {f"acct-{n}": Decimal(10) for n in range(4)}
