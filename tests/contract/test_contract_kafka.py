@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tests.contract.base import BrokerContract, Harness
+from tests.contract.base import BATCH_MODE, BrokerContract, Harness
 from tests.kafka.kafka_helpers import create_topic, lag, settings_for, unique
 from tests.support.tansu import Tansu
 from worker.brokers import Broker, DeadLetterInfo, OutgoingMessage
@@ -68,5 +68,21 @@ class TestKafkaKeyOrderingContract(BrokerContract):
         await create_topic(tansu.bootstrap, topic, PARTITIONS)
         settings = settings_for(tansu.bootstrap, topic, ordering="key")
         harness = KafkaHarness(tansu.bootstrap, settings)
+        yield harness
+        await harness.close()
+
+
+class BatchKafkaHarness(KafkaHarness):
+    mode = BATCH_MODE
+
+
+class TestKafkaBatchContract(BrokerContract):
+    """The same contract in batch mode: batches of one partition's records."""
+
+    @pytest.fixture
+    async def harness(self, tansu: Tansu) -> AsyncIterator[Harness]:
+        topic = unique("contract")
+        await create_topic(tansu.bootstrap, topic, PARTITIONS)
+        harness = BatchKafkaHarness(tansu.bootstrap, settings_for(tansu.bootstrap, topic))
         yield harness
         await harness.close()
