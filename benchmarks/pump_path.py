@@ -7,7 +7,8 @@ An in-process :class:`worker.pump.Pump` on the memory broker consumes N
 the reference handler (``handlers.credit.apply_credit``, keyed by account) and
 with the atomic-SQL handler of benchmarks/throughput_handlers.py; the same
 deliveries are also run by the hand-written asyncpg inbox transaction (no
-broker, no pump) for scale. Rounds alternate; medians are printed. What is left
+broker, no pump) for scale. Rounds alternate; medians are printed, msg/s and the
+process's CPU time per message (steadier than msg/s on a shared machine). What is left
 between the pump rows and the asyncpg row is the pump's, SQLAlchemy's and the
 handler's Python work: run it under ``py-spy record`` to see where it goes.
 Makes a scratch database and drops it.
@@ -60,7 +61,7 @@ async def pump_run(
         body = f'{{"account_id": "acct-{n % accounts}", "amount": "1.25"}}'.encode()
         broker.publish(f"{tag}-{n}", "CreditRequested", body)
     pump = Pump(broker.connect(), engine, registry, settings)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     task = asyncio.create_task(pump.run())
     try:
         async with asyncio.timeout(300):
@@ -68,14 +69,14 @@ async def pump_run(
                 if task.done():
                     task.result()
                 await asyncio.sleep(0.005)
-        return count / (time.perf_counter() - started)
+        return count / (time.perf_counter() - started), (time.process_time() - cpu) / count
     finally:
         pump.stop()
         await task
         await engine.dispose()
 
 
-async def asyncpg_run(url: str, count: int, accounts: int, concurrency: int) -> float:
+async def asyncpg_run(url: str, count: int, accounts: int, concurrency: int) -> tuple[float, float]:
     dsn = url.replace("postgresql+asyncpg", "postgresql")
     pool = await asyncpg.create_pool(dsn, min_size=concurrency, max_size=concurrency + 2)
     tag = uuid.uuid4().hex[:8]
@@ -93,10 +94,10 @@ async def asyncpg_run(url: str, count: int, accounts: int, concurrency: int) -> 
                 if await db.fetchval(MARK, message_id) is not None:
                     await db.execute(CREDIT, body.account_id, body.amount)
 
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     try:
         await asyncio.gather(*(one() for _ in range(concurrency)))
-        return count / (time.perf_counter() - started)
+        return count / (time.perf_counter() - started), (time.process_time() - cpu) / count
     finally:
         await pool.close()
 
@@ -114,19 +115,26 @@ async def main(args: argparse.Namespace) -> None:
     if args.only:
         runners = {k: v for k, v in runners.items() if any(o in k for o in args.only.split(","))}
     rates: dict[str, list[float]] = {k: [] for k in runners}
+    cpu: dict[str, list[float]] = {k: [] for k in runners}
     await admin_sql(args.postgres, f'CREATE DATABASE "{name}"')
     try:
         await asyncio.to_thread(upgrade, url)
         for _ in range(args.rounds):
             for label, runner in runners.items():
                 await reset(url, args.accounts)
-                rates[label].append(await runner())
-                print(f"  {label}: {rates[label][-1]:.0f} msg/s", flush=True)
+                rate, seconds = await runner()
+                rates[label].append(rate)
+                cpu[label].append(seconds * 1e6)
+                print(f"  {label}: {rate:.0f} msg/s, {seconds * 1e6:.0f} us CPU/msg", flush=True)
     finally:
         await admin_sql(args.postgres, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    print(f"{'':28} {'msg/s':>7} {'CPU us/msg':>11}  (msg/s of each round)")
     for label, values in rates.items():
         runs = ", ".join(f"{v:.0f}" for v in values)
-        print(f"{label:28} {statistics.median(values):7.0f} msg/s  ({runs})")
+        print(
+            f"{label:28} {statistics.median(values):7.0f} "
+            f"{statistics.median(cpu[label]):11.0f}  ({runs})"
+        )
 
 
 def parse() -> argparse.Namespace:
