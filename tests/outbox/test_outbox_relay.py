@@ -157,12 +157,13 @@ async def test_an_expired_lease_is_taken_over_with_the_same_id(
 ) -> None:
     """A relay that claimed and vanished: its rows go out again once the lease is over."""
     await produce(engine, make_settings, run_pumps, [("a", 1)])
-    crashed = Relay(engine, publisher, fast_outbox(lease=1.0, publish_timeout=0.5), name="dead")
+    # a 3 s lease: the second claim must come inside it, on a busy machine too
+    crashed = Relay(engine, publisher, fast_outbox(lease=3.0, publish_timeout=0.5), name="dead")
     claimed = await crashed.claim()
     assert len(claimed) == 1
-    other = Relay(engine, publisher, fast_outbox(lease=1.0, publish_timeout=0.5), name="alive")
+    other = Relay(engine, publisher, fast_outbox(lease=3.0, publish_timeout=0.5), name="alive")
     assert await other.claim() == []  # leased: not yet
-    await asyncio.sleep(1.1)
+    await asyncio.sleep(3.1)
     assert await other.drain() == 1
     assert publisher.sent[0].message_id == claimed[0].message.message_id
 
