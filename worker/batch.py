@@ -125,6 +125,8 @@ class BatchRunner:
         self._buckets: dict[BatchKey, tuple[float, deque[Delivery]]] = {}
         # released batches, and whether they are (False: one delivery, the per-message path)
         self._ready: asyncio.Queue[tuple[list[Delivery], bool]] = asyncio.Queue()
+        # per delivery group: released batches waiting behind the one running for the group
+        self._lanes: dict[Hashable, deque[tuple[list[Delivery], bool]]] = {}
         self._batchable = {
             message_type: all(h.batchable for h in pump.registry.for_type(message_type))
             for message_type in pump.registry.message_types
@@ -143,6 +145,8 @@ class BatchRunner:
         if delivery.delivery_count > settings.max_deliveries:
             return None
         if attempts.wanted(delivery, settings):  # counted in the database, by the pump's path
+            return None
+        if delivery.redelivered:  # a suspect (it may have killed its last batch): alone
             return None
         return delivery.type, delivery.group
 
@@ -187,20 +191,46 @@ class BatchRunner:
             self._ready.put_nowait((list(deliveries), True))
 
     async def work(self) -> None:
-        """One worker: take a released batch, run it, settle every delivery in it."""
+        """One worker: take a released batch, run it, settle every delivery in it.
+
+        Work of one delivery group (a Kafka partition) runs one batch at a time, in
+        release order: a batch released while its group's previous one still runs
+        waits in the group's lane, and this worker moves on.
+        """
         pump = self.pump
         task = asyncio.current_task()
         assert task is not None
         while not pump._stop.is_set():
             pump._idle.add(task)
-            deliveries, batchable = await self._ready.get()
+            released = await self._ready.get()
             pump._idle.discard(task)  # from here on, shutdown waits for this batch
-            if not pump.health.available:  # hold the batch while the database is away
-                await pump.health.wait_available()
-            if batchable:  # a batch of one too: the same path whatever the load
-                await self._guarded(deliveries)
-            else:
-                await pump._one(deliveries[0])
+            group = released[0][0].group
+            if group is None:
+                await self._run_released(released)
+                continue
+            lane = self._lanes.get(group)
+            if lane is not None:  # the group is busy: its worker runs this one next
+                lane.append(released)
+                continue
+            lane = self._lanes[group] = deque()
+            try:
+                await self._run_released(released)
+                while lane:
+                    if pump._stop.is_set():  # what still waits is given back by the pump
+                        break
+                    await self._run_released(lane.popleft())
+            finally:
+                del self._lanes[group]
+
+    async def _run_released(self, released: tuple[list[Delivery], bool]) -> None:
+        deliveries, batchable = released
+        pump = self.pump
+        if not pump.health.available:  # hold the batch while the database is away
+            await pump.health.wait_available()
+        if batchable:  # a batch of one too: the same path whatever the load
+            await self._guarded(deliveries)
+        else:
+            await pump._one(deliveries[0])
 
     # -- one batch ----------------------------------------------------------------
 
@@ -357,12 +387,8 @@ class BatchRunner:
         self, session: PumpSession, handler: Handler[Any], items: list[_Item], attempt: int
     ) -> tuple[dict[_Item, Verdict], list[_Item]]:
         consumer = handler.consumer
-        if handler.inbox:
-            redelivered = any(item.delivery.redelivered for item in items)
-            timeout = self.pump._lock_timeout_ms if redelivered and self.pump._postgres else None
-            new = await inbox.mark_many(
-                session, [item.message_id for item in items], consumer, timeout
-            )
+        if handler.inbox:  # first deliveries only (a redelivery runs alone): they may wait
+            new = await inbox.mark_many(session, [item.message_id for item in items], consumer)
         else:
             new = {item.message_id for item in items}
         fresh = [item for item in items if item.message_id in new]

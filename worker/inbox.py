@@ -228,34 +228,20 @@ _MARK_MANY_SQLITE = text(
     "INSERT INTO inbox (message_id, consumer) SELECT value, :c FROM json_each(:ids) WHERE true "
     "ON CONFLICT (message_id, consumer) DO NOTHING RETURNING message_id"
 )
-_SET_LOCK_TIMEOUT = text(
-    "WITH previous AS MATERIALIZED (SELECT current_setting('lock_timeout') AS value) "
-    "SELECT previous.value, set_config('lock_timeout', :t, true) FROM previous"
-)
-_RESTORE_LOCK_TIMEOUT = text("SELECT set_config('lock_timeout', :previous, true)")
 _UNMARK = text("DELETE FROM inbox WHERE message_id = :m AND consumer = :c")
 
 
-async def mark_many(
-    session: AsyncSession, message_ids: list[str], consumer: str, lock_timeout_ms: int | None
-) -> set[str]:
+async def mark_many(session: AsyncSession, message_ids: list[str], consumer: str) -> set[str]:
     """Insert markers for distinct ``message_ids``; returns the ids that were new.
 
-    ``lock_timeout_ms`` (PostgreSQL): wait at most that long for a concurrent holder of
-    one of the keys, as a redelivery's marker does, then fail with SQLSTATE 55P03.
+    Sorted, so two batches sharing ids take their keys in one order and never deadlock.
     """
     ordered = sorted(message_ids)
     if session.get_bind().dialect.name != "postgresql":
         rows = await session.execute(_MARK_MANY_SQLITE, {"c": consumer, "ids": json.dumps(ordered)})
         return set(rows.scalars())
-    if lock_timeout_ms is None:
-        rows = await session.execute(_MARK_MANY_POSTGRES, {"c": consumer, "ids": ordered})
-        return set(rows.scalars())
-    previous = (await session.execute(_SET_LOCK_TIMEOUT, {"t": f"{lock_timeout_ms}ms"})).one()[0]
     rows = await session.execute(_MARK_MANY_POSTGRES, {"c": consumer, "ids": ordered})
-    new = set(rows.scalars())
-    await session.execute(_RESTORE_LOCK_TIMEOUT, {"previous": previous})
-    return new
+    return set(rows.scalars())
 
 
 async def unmark(session: AsyncSession, message_id: str, consumer: str) -> None:
