@@ -36,6 +36,7 @@ from sqlalchemy import (
     func,
     select,
     tuple_,
+    update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Mapped, mapped_column
@@ -125,6 +126,45 @@ async def count(
         )
         return
     delivery.delivery_count = max(delivery.delivery_count, int(stored) + first)
+
+
+_REFUND = (
+    update(_table)
+    .where(
+        _table.c.message_id == bindparam("refunded_id"),
+        _table.c.consumer == bindparam("refunded_consumer"),
+        _table.c.deliveries > 0,
+    )
+    .values(deliveries=_table.c.deliveries - 1)
+)
+
+
+async def refund(
+    engine: AsyncEngine, delivery: Delivery, handlers: tuple[Handler[Any], ...]
+) -> None:
+    """Take back this delivery's count: it goes back uncounted (a shutdown, a pause, a
+    conflict lost to another writer), and only a message's own failure may spend one.
+
+    Called before the give-back, so a crash in between costs nothing either. A crash
+    before it, the case the count is for, never refunds. If the database cannot be
+    reached, the count stays spent: one delivery, logged.
+    """
+    if delivery.message_id is None or not handlers:
+        return
+    try:
+        async with engine.connect() as connection:
+            connection = await connection.execution_options(isolation_level="AUTOCOMMIT")
+            await connection.execute(
+                _REFUND,
+                {"refunded_id": delivery.message_id, "refunded_consumer": handlers[0].consumer},
+            )
+    except Exception as exc:
+        get_logger().warning(
+            "delivery count not refunded",
+            message_id=delivery.message_id,
+            delivery_count=delivery.delivery_count,
+            error=exc,
+        )
 
 
 # Oldest first along ix_delivery_counts_updated_at, a bounded number of rows per statement.

@@ -744,6 +744,9 @@ class Pump:
             if verb is Verb.ACK:
                 await delivery.ack()
             elif verb is Verb.NACK:
+                if not verdict.counted and attempts.wanted(delivery, self.settings):
+                    handlers = self.registry.for_type(delivery.type)
+                    await attempts.refund(self._engine, delivery, handlers)
                 await delivery.nack(verdict.delay, counted=verdict.counted)
             else:
                 assert verdict.reason is not None
