@@ -1,19 +1,43 @@
-"""``WORKER_HANDLERS=tests.rabbitmq.batch_crash_handlers``: the credit handler, unkeyed (so batch
-mode batches it), and with ``WORKER_TEST_HOLD_ACKS=<seconds>`` every batch waits that long
-between its commit and its acks: the window a SIGKILL is aimed at."""
+"""``WORKER_HANDLERS=tests.rabbitmq.batch_crash_handlers``: the credit handler, unkeyed (so
+batch mode batches it, one savepoint each), a set-based batch handler (``BatchUpsert``), and
+with ``WORKER_TEST_HOLD_ACKS=<seconds>`` every batch waits that long between its commit and its
+acks: the window a SIGKILL is aimed at."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+from collections import defaultdict
+from collections.abc import Sequence
+from decimal import Decimal
 from typing import Any
+
+from sqlalchemy import Numeric, bindparam, text
 
 from handlers.credit import CreditRequested, apply_credit
 from worker import handler
 from worker.logs import get_logger
+from worker.registry import BatchContext
 
 # its own type: importing handlers.credit registers the keyed CreditRequested handler too
 handler("BatchCredit", CreditRequested, consumer="batch-credit")(apply_credit)
+
+_UPSERT = text(
+    "INSERT INTO accounts (id, balance, version) VALUES (:a, :x, 1) "
+    "ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + excluded.balance, "
+    "version = accounts.version + 1"
+).bindparams(bindparam("x", type_=Numeric(18, 2)))
+
+
+@handler("BatchUpsert", CreditRequested, consumer="batch-upsert", batch=True)
+async def upsert_credits(ctx: BatchContext, messages: Sequence[CreditRequested]) -> None:
+    """Set-based: one atomic upsert per account, accounts in a fixed order (no deadlocks)."""
+    totals: dict[str, Decimal] = defaultdict(Decimal)
+    for message in messages:
+        totals[message.account_id] += message.amount
+    for account, amount in sorted(totals.items()):
+        await ctx.session.execute(_UPSERT, {"a": account, "x": amount})
+
 
 HOLD = os.environ.get("WORKER_TEST_HOLD_ACKS")
 if HOLD:
