@@ -63,6 +63,7 @@ import aio_pika
 import httpx
 from aiormq.exceptions import AMQPError
 from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from benchmarks.hot_rows import DISTURBANCES, patiently, prepare, throwaway_vhost
@@ -326,12 +327,13 @@ async def run_disturbed(
     logs: Path,
     n: int,
 ) -> Result:
-    """:func:`run_once`, again (twice at most) when a shared server went away during it."""
+    """:func:`run_once`, again (twice at most) when a shared server went away during it
+    (the benchmark's own database connection too: the pool opens a new one)."""
     for attempt in range(3):
         try:
             result = await run_once(row, scenario, args, db, vhost, logs, n * 10 + attempt)
-        except (OSError, AMQPError, ConnectionError, BrokerUnavailable) as exc:
-            result = Result(problem=f"disturbed: {type(exc).__name__}: {exc}")
+        except (OSError, AMQPError, ConnectionError, BrokerUnavailable, DBAPIError) as exc:
+            result = Result(problem=f"disturbed: {type(exc).__name__}: {exc}"[:300])
         else:
             if not result.disturbed:
                 return result
