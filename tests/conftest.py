@@ -175,7 +175,7 @@ def run_pumps() -> Callable[..., Any]:
         ]
         tasks = [asyncio.create_task(pump.run()) for pump in pumps]
         async with asyncio.timeout(10):
-            while not all(pump.running for pump in pumps):
+            while not all(pump.consuming for pump in pumps):
                 for task in tasks:
                     if task.done():
                         task.result()

@@ -19,7 +19,7 @@ import sys
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from worker import logs
 from worker.brokers import (
@@ -31,6 +31,13 @@ from worker.brokers import (
 )
 from worker.errors import BrokerUnavailable, ConfigurationError
 from worker.settings import Settings, check_environment, load
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+    from worker.brokers import Broker
+    from worker.pump import Pump
+    from worker.registry import Registry
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -569,12 +576,27 @@ async def _serve(settings: Settings) -> int:
         return 0
 
 
-async def _run(settings: Settings, signals: _Signals | None = None) -> int:
-    from worker import outbox
-    from worker.brokers import open_broker
-    from worker.db import create_engine, ping, redact
-    from worker.ops import start_ops
+def assemble(settings: Settings, broker: Broker, engine: AsyncEngine, handlers: Registry) -> Pump:
+    """The pump with its optional features wired in: tracing (WORKER_TRACING) and the
+    Prometheus export of its tallies. The pump itself knows neither switch."""
+    from worker import metrics
     from worker.pump import Pump
+
+    tracing = None
+    if settings.tracing:
+        from worker.tracing import Tracing
+
+        tracing = Tracing(broker, engine)
+    pump = Pump(broker, engine, handlers, settings, name="worker", tracing=tracing)
+    metrics.track(pump)
+    return pump
+
+
+async def _run(settings: Settings, signals: _Signals | None = None) -> int:
+    from worker import outbox, retention
+    from worker.brokers import open_broker
+    from worker.db import create_engine, ping, redact, session_factory
+    from worker.ops import start_ops
     from worker.registry import import_handlers, registry
     from worker.tracing import configure as configure_tracing
 
@@ -598,9 +620,10 @@ async def _run(settings: Settings, signals: _Signals | None = None) -> int:
         from worker.concurrency import prepare_models
 
         prepare_models(engine.dialect.name)  # an unusable version token stops us before any work
-        pump = Pump(broker, engine, registry, settings, name="worker")
+        pump = assemble(settings, broker, engine, registry)
         relay = outbox.start(settings, engine, broker)  # beside the pump, never in its way
         ops = await start_ops(settings, pump)
+        chores = retention.start(engine, session_factory(engine), registry, settings, log)
         try:
             if signals is None:
                 await pump.run(install_signal_handlers=True)
@@ -608,6 +631,9 @@ async def _run(settings: Settings, signals: _Signals | None = None) -> int:
                 signals.hand_over(pump)
                 await pump.run()
         finally:  # probes answer (not ready) until the pump has settled its last delivery
+            if chores is not None:  # purge and sweep: beside the ops server, not in the pump
+                chores.cancel()
+                await asyncio.gather(chores, return_exceptions=True)
             await outbox.stop(relay)
             if ops is not None:
                 await ops.stop()

@@ -131,7 +131,7 @@ class Tallies(Protocol):
     stats: collections.Counter[str]
     outcomes: collections.Counter[tuple[str, str]]
     in_flight: int
-    running: bool
+    consuming: bool
 
     @property
     def health(self) -> _Health: ...
@@ -216,7 +216,7 @@ class PumpCollector(Collector):
         in_flight.add_metric([], flying)
 
         # Gauges describe the pumps that run now; a stopped pump has no connection to report.
-        running = [pump for pump in pumps if pump.running]
+        running = [pump for pump in pumps if pump.consuming]
         brokers: dict[str, float] = {}
         for pump in running:
             name = pump.broker.name

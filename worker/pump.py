@@ -34,17 +34,19 @@ message's own failures move it toward the dead-letter queue.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
+from asyncio import FIRST_COMPLETED
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
-from worker import attempts, claims, inbox, metrics, retention
+from worker import attempts, claims, inbox, metrics
 from worker.brokers import Broker
 from worker.concurrency import prepare_models
 from worker.db import HANDLER_RUNNING, Failure, HandlerRun, PumpSession, classify, session_factory
@@ -95,7 +97,10 @@ class Pump:
         settings: Settings,
         *,
         name: str = "pump",
+        tracing: Tracing | None = None,
     ) -> None:
+        """``tracing``: OpenTelemetry spans per delivery, built where the process is
+        assembled (``worker run``); None costs not one OpenTelemetry call per delivery."""
         self.broker = broker
         self.settings = settings
         self.registry = registry
@@ -113,23 +118,21 @@ class Pump:
         self._lanes: dict[Hashable, deque[tuple[Delivery, tuple[Handler[Any], ...], _Decoded]]]
         self._lanes = {}
         self.started = asyncio.Event()
-        self.running = False
+        self.consuming = False
         # Instrumentation: plain tallies, read by worker.metrics at scrape time.
         self.outcomes: Counter[tuple[str, str]] = Counter()  # (consumer, outcome)
         self.in_flight = 0
-        self.tracing: Tracing | None = None  # None: not one OpenTelemetry call per delivery
-        if settings.tracing:
-            from worker.tracing import Tracing
-
-            self.tracing = Tracing(broker, engine)
-        metrics.track(self)
+        self.tracing = tracing
 
     # -- lifecycle --------------------------------------------------------------
 
     @property
     def ready(self) -> bool:
         return (
-            self.running and not self._stop.is_set() and self.broker.ready and self.health.available
+            self.consuming
+            and not self._stop.is_set()
+            and self.broker.ready
+            and self.health.available
         )
 
     @property
@@ -156,20 +159,37 @@ class Pump:
         prepare_models(self._engine.dialect.name)  # refuses unusable tokens before any work
         concurrency = self.settings.concurrency
         await self.broker.start(prefetch=self.prefetch)
-        self.running = True
+        self.consuming = True
         self.started.set()
         self._log.info("pump started", concurrency=concurrency, types=self.registry.message_types)
         workers = self._start_workers(concurrency)
-        chores = retention.start(
-            self._engine, self._sessions, self.registry, self.settings, self._log
-        )
         try:
             await self._stop.wait()
         finally:
-            if chores is not None:
-                chores.cancel()
-                await asyncio.gather(chores, return_exceptions=True)
             await self._shutdown(workers)
+
+    @contextlib.asynccontextmanager
+    async def running(self, start_within: float = 30.0) -> AsyncIterator[Pump]:
+        """``async with pump.running():`` for tests and embedders: consuming inside the
+        block (a start that fails raises here), stopped gracefully on the way out."""
+        task = asyncio.create_task(self.run(), name="pump")
+        started = asyncio.create_task(self.started.wait())
+        try:
+            await asyncio.wait({task, started}, timeout=start_within, return_when=FIRST_COMPLETED)
+        finally:
+            started.cancel()
+        if task.done():
+            task.result()  # the start failed: its error, here
+            raise RuntimeError("the pump stopped before it started")
+        if not self.started.is_set():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise TimeoutError(f"the pump did not start within {start_within}s")
+        try:
+            yield self
+        finally:
+            self.stop()
+            await task
 
     def _start_workers(self, concurrency: int) -> list[asyncio.Task[None]]:
         if self.settings.batch_size == 1:
@@ -201,7 +221,7 @@ class Pump:
                 await self._settle_guarded(delivery, _STOPPING)
         await self.broker.close()
         await self.health.close()
-        self.running = False
+        self.consuming = False
         self._log.info("pump stopped", **dict(self.stats))
 
     async def _work(self) -> None:

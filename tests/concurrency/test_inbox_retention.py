@@ -14,7 +14,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tests.concurrency.concurrency_helpers import INBOX, add_marker, count, eventually, run_cli
 from worker import retention
-from worker.brokers.memory import MemoryBroker
 from worker.db import create_engine
 from worker.errors import ConfigurationError
 from worker.registry import Registry
@@ -176,18 +175,27 @@ async def test_a_purge_cancelled_mid_run_does_not_keep_the_lock(
         await engine.dispose()
 
 
-async def test_the_pump_purges_periodically(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
-) -> None:
+async def test_housekeeping_purges_periodically(engine: AsyncEngine, make_settings: Any) -> None:
+    """What ``worker run`` starts beside the ops server (cli._run), not inside the pump."""
+    from worker.db import session_factory
+    from worker.logs import get_logger
+
     await add_marker(engine, "old", age=2 * DAY)
     await add_marker(engine, "recent", age=timedelta(minutes=1))
     settings = short_window(make_settings, purge_interval=0.05)
-    async with run_pumps([MemoryBroker().connect()], [engine], Registry(), settings):
+    chores = retention.start(engine, session_factory(engine), Registry(), settings, get_logger())
+    assert chores is not None
+    try:
 
         async def purged() -> bool:
             return await remaining(engine) == ["recent"]
 
         await eventually(purged, within=5)
+    finally:
+        chores.cancel()
+        await asyncio.gather(chores, return_exceptions=True)
+    off = short_window(make_settings)  # WORKER_PURGE_INTERVAL=0: no housekeeping at all
+    assert retention.start(engine, session_factory(engine), Registry(), off, get_logger()) is None
 
 
 def test_worker_purge_inbox(database_url: str) -> None:

@@ -53,8 +53,8 @@ def provider(exporter: InMemorySpanExporter) -> TracerProvider:
 
 
 async def settle_all(run: Any, provider: TracerProvider, *messages: tuple[Any, ...]) -> None:
-    async with run(registry(), tracing=True) as (pump, broker):
-        assert pump.tracing is not None  # WORKER_TRACING=true builds it
+    async with run(registry()) as (pump, broker):
+        assert pump.tracing is None  # built where the process is assembled (cli.assemble)
         pump.tracing = Tracing(pump.broker, pump._engine, tracer_provider=provider)
         for message in messages:
             broker.publish(*message)

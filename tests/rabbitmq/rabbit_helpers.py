@@ -151,7 +151,7 @@ async def running(
     def started() -> bool:
         if task.done():
             task.result()  # raise what stopped it
-        return pump.running
+        return pump.consuming
 
     try:
         await wait_for(started, 15, "the pump to start")
