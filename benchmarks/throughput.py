@@ -61,7 +61,7 @@ from typing import Any
 
 import aio_pika
 import httpx
-from aiormq.exceptions import AMQPError
+from aiormq.exceptions import AMQPError, ChannelInvalidStateError
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -233,7 +233,7 @@ async def _ready_count(rabbit: RabbitMQSettings) -> AsyncIterator[Callable[[], A
         async def count() -> int:
             try:
                 queue = await channel.declare_queue(rabbit.queue, passive=True)
-            except (OSError, AMQPError, ConnectionError):
+            except (OSError, AMQPError, ConnectionError, ChannelInvalidStateError):
                 return -1
             return queue.declaration_result.message_count or 0
 
@@ -332,7 +332,14 @@ async def run_disturbed(
     for attempt in range(3):
         try:
             result = await run_once(row, scenario, args, db, vhost, logs, n * 10 + attempt)
-        except (OSError, AMQPError, ConnectionError, BrokerUnavailable, DBAPIError) as exc:
+        except (
+            OSError,
+            AMQPError,
+            ChannelInvalidStateError,  # a RuntimeError: the broker closed the channel
+            ConnectionError,
+            BrokerUnavailable,
+            DBAPIError,
+        ) as exc:
             result = Result(problem=f"disturbed: {type(exc).__name__}: {exc}"[:300])
         else:
             if not result.disturbed:
