@@ -245,8 +245,10 @@ async def test_sigterm_mid_batch_acks_nothing_unfinished(
     await publish(rabbit, [credit(f"s{n}", "a", str(n + 1), "SlowCredit") for n in range(total)])
     env = rabbit_env(
         rabbit, pg, WORKER_HANDLERS="tests.rabbitmq.slow_handlers", WORKER_CONCURRENCY="8",
-        WORKER_GRACE_PERIOD="0.3", WORKER_TEST_HANDLER_SECONDS="0.6",
+        WORKER_GRACE_PERIOD="0.3", WORKER_TEST_HANDLER_SECONDS="2.0",
     )  # fmt: skip
+    # the second wave is 0.35 s (plus the poll's lag) into its 2 s when SIGTERM lands, so
+    # the 0.3 s grace ends with it in flight; 0.6 s handlers finished inside it under load
     worker = WorkerProcess(env, tmp_path / "first.log")
     try:
         await wait_for(_inbox_at_least(pg, 8), 30, "the first commits")
