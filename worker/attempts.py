@@ -84,6 +84,13 @@ def _upsert(dialect: str) -> Any:
 _UPSERTS = {name: _upsert(name) for name in ("postgresql", "sqlite")}
 
 
+async def _autocommitted(engine: AsyncEngine, statement: Any, params: dict[str, Any]) -> Any:
+    """One statement in its own short transaction: one round trip, durable on return."""
+    async with engine.connect() as connection:
+        connection = await connection.execution_options(isolation_level="AUTOCOMMIT")
+        return await connection.execute(statement, params)
+
+
 def wanted(delivery: Delivery, settings: Settings) -> bool:
     """Whether this delivery is counted in the database."""
     if settings.delivery_counts != "database":
@@ -109,14 +116,10 @@ async def count(
         return
     first = 0 if settings.count_first_deliveries else 1  # the uncounted first delivery
     try:
-        async with engine.connect() as connection:
-            connection = await connection.execution_options(isolation_level="AUTOCOMMIT")
-            stored = (
-                await connection.execute(
-                    statement,
-                    {"message_id": delivery.message_id, "consumer": handlers[0].consumer},
-                )
-            ).scalar_one()
+        result = await _autocommitted(
+            engine, statement, {"message_id": delivery.message_id, "consumer": handlers[0].consumer}
+        )
+        stored = result.scalar_one()
     except Exception as exc:  # not the message's fault: keep the broker's count
         get_logger().warning(
             "delivery count not stored",
@@ -152,12 +155,11 @@ async def refund(
     if delivery.message_id is None or not handlers:
         return
     try:
-        async with engine.connect() as connection:
-            connection = await connection.execution_options(isolation_level="AUTOCOMMIT")
-            await connection.execute(
-                _REFUND,
-                {"refunded_id": delivery.message_id, "refunded_consumer": handlers[0].consumer},
-            )
+        await _autocommitted(
+            engine,
+            _REFUND,
+            {"refunded_id": delivery.message_id, "refunded_consumer": handlers[0].consumer},
+        )
     except Exception as exc:
         get_logger().warning(
             "delivery count not refunded",
