@@ -8,6 +8,7 @@ settlement verbs onto the broker's own. The pump knows nothing else about it.
 from __future__ import annotations
 
 import importlib
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -24,6 +25,11 @@ class Broker(Protocol):
     """What the pump needs from a transport."""
 
     name: str
+    destination: str
+    """The queue, topic or subscription consumed: span names and logs say which."""
+    stats: Counter[str]
+    """The adapter's own event tallies (reconnects, lost acks, ...), exported to Prometheus
+    as ``worker_broker_events_total{broker, event}``; plain counts, read at scrape time."""
 
     @property
     def ready(self) -> bool:
