@@ -46,18 +46,11 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from worker import attempts, inbox, metrics
 from worker.db import HANDLER_RUNNING, Failure, HandlerRun, classify
 from worker.delivery import Delivery, ack_many
-from worker.errors import (
-    AlreadySettled,
-    HandlerTimeout,
-    Poison,
-    Rejected,
-    Retry,
-    StatementSwallowed,
-)
-from worker.pump import _PAUSED, _UNEXPECTED, _discard
+from worker.errors import AlreadySettled, HandlerTimeout, Rejected, StatementSwallowed
+from worker.judge import discard, refused_value
 from worker.registry import BatchContext, Context, Handler
 from worker.retry import backoff
-from worker.verdict import COMMITTED, DUPLICATE, Outcome, Verb, Verdict
+from worker.verdict import COMMITTED, DUPLICATE, PAUSED, UNEXPECTED, Outcome, Verb, Verdict
 
 if TYPE_CHECKING:
     from worker.db import PumpSession
@@ -122,6 +115,7 @@ class BatchRunner:
         self.pump = pump
         self.size = pump.settings.batch_size
         self.wait = pump.settings.batch_wait
+        self._postgres = pump.engine.dialect.name == "postgresql"
         self._buckets: dict[BatchKey, tuple[float, deque[Delivery]]] = {}
         # released batches, and whether they are (False: one delivery, the per-message path)
         self._ready: asyncio.Queue[tuple[list[Delivery], bool]] = asyncio.Queue()
@@ -247,7 +241,7 @@ class BatchRunner:
             pump._log.exception("unexpected error in a batch", attempt=0, outcome="nacked")
             for delivery in deliveries:
                 if delivery.settled is None:
-                    await pump._settle_guarded(delivery, _UNEXPECTED)
+                    await pump._settle_guarded(delivery, UNEXPECTED)
         finally:
             pump.in_flight -= len(deliveries)
             for delivery in deliveries:
@@ -312,7 +306,7 @@ class BatchRunner:
                 failure = classify(_cause(exc))
                 if failure is Failure.CONNECTION and not await pump.health.confirm():
                     for item in items:
-                        item.verdict, item.consumer = _PAUSED, handler.consumer
+                        item.verdict, item.consumer = PAUSED, handler.consumer
                     return
                 if attempt == 1 and failure in _RETRIED:
                     pump.stats["batch-retried"] += 1
@@ -377,7 +371,7 @@ class BatchRunner:
             spent = False
         finally:
             if spent:
-                await _discard(session)
+                await discard(session)
         for item, verdict in verdicts.items():
             item.verdict, item.consumer = verdict, handler.consumer
             self._tally(item, handler.consumer, attempt)
@@ -399,7 +393,7 @@ class BatchRunner:
             verdicts.update((item, COMMITTED) for item in fresh)
         elif fresh:
             previous = None
-            if self.pump._postgres:
+            if self._postgres:
                 previous = (await session.execute(_BOUND_LOCKS, {"t": _ROW_LOCK_WAIT})).one()[0]
             for item in fresh:
                 try:
@@ -477,11 +471,10 @@ class BatchRunner:
     def _judge(self, item: _Item, handler: Handler[Any], attempt: int, exc: Exception) -> Verdict:
         """A savepoint's failure: a verdict for this message alone, or _Defer, or re-raised."""
         consumer = handler.consumer
-        if isinstance(exc, Poison):
-            return Verdict(Verb.DEAD_LETTER, Outcome.POISON, f"{consumer}: {exc}", attempt=attempt)
-        if isinstance(exc, Retry):
-            self.pump._note(item.delivery, consumer, attempt, "retry-requested", reason=str(exc))
-            return Verdict(Verb.NACK, Outcome.RETRY_REQUESTED, str(exc), exc.delay, attempt=attempt)
+        judge = self.pump.judge
+        verdict = judge.requested(item.delivery, consumer, attempt, exc)
+        if verdict is not None:
+            return verdict
         if isinstance(exc, Rejected):
             raise _Defer from exc  # recorded by the per-message path, with its marker
         cause = _cause(exc)
@@ -494,9 +487,8 @@ class BatchRunner:
         if failure in _WHOLE:
             raise exc
         if failure is Failure.DATA:
-            reason = f"{consumer}: the database refuses a value: {type(cause).__name__}: {cause}"
-            return Verdict(Verb.DEAD_LETTER, Outcome.POISON, reason, attempt=attempt)
-        verdict = self.pump._failed(item.delivery, consumer, attempt, cause)
+            return refused_value(consumer, cause, attempt)
+        verdict = judge.failed(item.delivery, consumer, attempt, cause)
         return Verdict(
             verdict.verb, verdict.outcome, verdict.reason, verdict.delay, attempt=attempt
         )
@@ -508,7 +500,7 @@ class BatchRunner:
         if outcome is Outcome.COMMITTED or outcome is Outcome.DUPLICATE:
             if outcome is Outcome.DUPLICATE:
                 pump.stats["duplicates-batch"] += 1
-            pump._note(item.delivery, consumer, attempt, outcome.value)
+            pump.judge.note(item.delivery, consumer, attempt, outcome.value)
 
     # -- settlement ---------------------------------------------------------------
 
@@ -522,7 +514,7 @@ class BatchRunner:
                 for twin in item.twins:
                     pump.stats["duplicates-in-batch"] += 1
                     pump.outcomes[item.consumer or "", Outcome.DUPLICATE] += 1
-                    pump._note(twin, item.consumer or "", 0, "duplicate", twin=True)
+                    pump.judge.note(twin, item.consumer or "", 0, "duplicate", twin=True)
                     acks.append((twin, item.consumer))
             else:
                 await pump._settle(item.delivery, item.verdict, item.consumer)

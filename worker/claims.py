@@ -53,7 +53,7 @@ import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -82,6 +82,7 @@ from worker.verdict import Outcome, Verb, Verdict, last_delivery
 
 if TYPE_CHECKING:
     from worker.delivery import Delivery
+    from worker.judge import Judge
     from worker.settings import Settings
 
 M = TypeVar("M", bound=BaseModel)
@@ -320,6 +321,35 @@ async def take_over(sessions: async_sessionmaker[Any], claim_id: int, lease: flo
         return claim
     finally:
         await _close(session)
+
+
+# -- the runner: what the pump calls for a side-effect handler -------------------------
+
+
+class ClaimRunner:
+    """A side-effect handler on one delivery: claim with a lease, call, mark finished.
+
+    Errors the claim protocol does not decide itself (an outage, a broken statement)
+    end as they would for an ordinary handler, through the :class:`~worker.judge.Judge`.
+    """
+
+    def __init__(self, sessions: async_sessionmaker[Any], judge: Judge) -> None:
+        self.judge = judge
+        self._sessions = sessions
+
+    async def run(self, delivery: Delivery, handler: Handler[Any], message: BaseModel) -> Verdict:
+        judge = self.judge
+        try:
+            verdict = await process(
+                self._sessions, handler, message, delivery, judge.settings, judge.log
+            )
+        except Exception as exc:
+            trouble = await judge.database_trouble(delivery, handler, 1, exc)
+            return (
+                trouble if trouble is not None else judge.failed(delivery, handler.consumer, 1, exc)
+            )
+        judge.note(delivery, handler.consumer, 1, verdict.outcome, reason=verdict.reason)
+        return replace(verdict, attempt=1)
 
 
 # -- phases 2 and 3: call, then mark -----------------------------------------------------

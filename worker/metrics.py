@@ -117,6 +117,7 @@ class _Health(Protocol):
 
 class _Broker(Protocol):
     name: str
+    stats: collections.Counter[str]
 
     @property
     def ready(self) -> bool: ...
@@ -227,6 +228,7 @@ class PumpCollector(Collector):
         if running:
             database.add_metric([], float(all(pump.health.available for pump in running)))
         yield from _classified(pumps, stats)
+        yield _broker_events(pumps)
         yield from (
             deliveries,
             settlements,
@@ -238,6 +240,22 @@ class PumpCollector(Collector):
             ready,
             database,
         )
+
+
+def _broker_events(pumps: list[Tallies]) -> Metric:
+    """The adapters' own tallies (``broker.stats``), summed per broker name."""
+    family = CounterMetricFamily(
+        "worker_broker_events",
+        "The broker adapter's own events (reconnects, lost acks, rebalances...).",
+        labels=["broker", "event"],
+    )
+    events: dict[tuple[str, str], int] = {}
+    for broker in {id(pump.broker): pump.broker for pump in pumps}.values():
+        for event, count in dict(broker.stats).items():
+            events[broker.name, event] = events.get((broker.name, event), 0) + count
+    for (name, event), count in sorted(events.items()):
+        family.add_metric([name, event], count)
+    return family
 
 
 def _classified(pumps: list[Tallies], stats: dict[str, int]) -> Iterator[Metric]:

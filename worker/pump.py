@@ -1,10 +1,12 @@
-"""The pump: deliveries in, one transaction per attempt, exactly one settlement out.
+"""The pump: deliveries in, each handler's runner, exactly one settlement out.
 
-For each delivery and each handler of its type, an attempt is::
-
-    fresh session -> [redelivery: inbox fast path] -> insert marker -> handler -> one commit
-
-and the outcome decides the settlement in :meth:`Pump._settle`:
+The pump takes deliveries from the broker, refuses what no handler can run (no id,
+unknown type, undecodable), serializes keyed deliveries in lanes, and hands each
+handler of the type to the runner the handler names: :mod:`worker.transaction`
+(marker and writes in one commit per attempt), :mod:`worker.claims` (a two-phase
+claim around a side effect), or in batch mode :mod:`worker.batch`. A runner ends in a
+:class:`~worker.verdict.Verdict` (:mod:`worker.judge` names the failures), and the
+verdict decides the settlement in :meth:`Pump._settle`:
 
 ==============================================  ==========================================
 outcome                                         settlement
@@ -40,45 +42,28 @@ import time
 from asyncio import FIRST_COMPLETED
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+from sqlalchemy.ext.asyncio import AsyncEngine
 
-from worker import attempts, claims, inbox, metrics
+from worker import attempts, inbox, metrics
 from worker.brokers import Broker
+from worker.claims import ClaimRunner
 from worker.concurrency import prepare_models
-from worker.db import HANDLER_RUNNING, Failure, HandlerRun, PumpSession, classify, session_factory
+from worker.db import session_factory
 from worker.delivery import Delivery
-from worker.errors import (
-    AlreadySettled,
-    HandlerTimeout,
-    Poison,
-    Rejected,
-    Retry,
-    SettlementLost,
-    StatementSwallowed,
-)
+from worker.errors import AlreadySettled, SettlementLost
 from worker.health import DatabaseHealth
+from worker.judge import Judge, Runner, discard
 from worker.logs import get_logger
-from worker.registry import Context, Handler, Registry
-from worker.rejections import deleted_row, record_rejection
-from worker.retry import backoff
+from worker.registry import Handler, Registry, Runs
 from worker.settings import Settings
-from worker.verdict import COMMITTED, DUPLICATE, Outcome, Verb, Verdict, failure
+from worker.transaction import TransactionRunner
+from worker.verdict import COMMITTED, STOPPING, UNEXPECTED, Outcome, Verb, Verdict
 
 if TYPE_CHECKING:
     from worker.tracing import Tracing
-
-_GIVE_BACK_DELAY = 1.0
-"""Seconds before an uncounted give-back (pause, contention, shutdown) comes back."""
-
-_PAUSED = Verdict(
-    Verb.NACK, Outcome.PAUSED, "database unavailable", _GIVE_BACK_DELAY, counted=False
-)
-_STOPPING = Verdict(Verb.NACK, Outcome.SHUTDOWN, "the worker is stopping", 0.0, counted=False)
-_UNEXPECTED = Verdict(Verb.NACK, Outcome.NACKED, "unexpected error")
 
 _Decoded = dict[type[BaseModel], BaseModel]
 
@@ -105,12 +90,17 @@ class Pump:
         self.settings = settings
         self.registry = registry
         self.stats: Counter[str] = Counter()
-        self._engine = engine
+        self.engine = engine
         self._sessions = session_factory(engine)
-        self._postgres = engine.dialect.name == "postgresql"
-        self._lock_timeout_ms = max(1, round(settings.marker_lock_timeout * 1000))
         self._log = get_logger(pump=name, broker=broker.name)
         self.health = DatabaseHealth(engine, self._log, settings.db_probe_backoff_max)
+        self.judge = Judge(settings, self._sessions, self.health, self._log, self.stats)
+        self._runners: dict[Runs, Runner] = {
+            Runs.TRANSACTION: TransactionRunner(
+                self._sessions, self.judge, postgres=engine.dialect.name == "postgresql"
+            ),
+            Runs.CLAIM: ClaimRunner(self._sessions, self.judge),
+        }
         self._stop = asyncio.Event()
         self._idle: set[asyncio.Task[None]] = set()
         self._held: set[Delivery] = set()  # taken from the broker and not settled yet
@@ -156,7 +146,7 @@ class Pump:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stop)
-        prepare_models(self._engine.dialect.name)  # refuses unusable tokens before any work
+        prepare_models(self.engine.dialect.name)  # refuses unusable tokens before any work
         concurrency = self.settings.concurrency
         await self.broker.start(prefetch=self.prefetch)
         self.consuming = True
@@ -218,7 +208,7 @@ class Pump:
             self._log.warning("grace period over, cancelled in-flight work", cancelled=len(late))
         for delivery in list(self._held):  # cancelled mid-attempt, or parked behind a key
             if delivery.settled is None:
-                await self._settle_guarded(delivery, _STOPPING)
+                await self._settle_guarded(delivery, STOPPING)
         await self.broker.close()
         await self.health.close()
         self.consuming = False
@@ -278,7 +268,7 @@ class Pump:
                 "unexpected error", message_id=delivery.message_id, attempt=0, outcome="nacked"
             )
             if delivery.settled is None:
-                await self._settle_guarded(delivery, _UNEXPECTED)
+                await self._settle_guarded(delivery, UNEXPECTED)
 
     # -- one delivery -----------------------------------------------------------
 
@@ -348,7 +338,7 @@ class Pump:
                 if not self._stop.is_set():
                     await self.health.wait_available()  # hold them while the database is away
                 if self._stop.is_set():
-                    await self._settle_guarded(parked, _STOPPING)
+                    await self._settle_guarded(parked, STOPPING)
                     self._held.discard(parked)
                     continue
                 await self._one(parked, _bind(self._process, parked_handlers, parked_decoded))
@@ -360,7 +350,7 @@ class Pump:
         self, delivery: Delivery, handlers: tuple[Handler[Any], ...], decoded: _Decoded
     ) -> None:
         """Run the type's handlers in order (each its own transaction), then settle once."""
-        await attempts.count(self._engine, delivery, handlers, self.settings)  # durable count
+        await attempts.count(self.engine, delivery, handlers, self.settings)  # durable count
         if delivery.delivery_count > self.settings.max_deliveries:
             verdict = await self._over_limit(delivery, handlers)
             if verdict.verb is Verb.DEAD_LETTER:
@@ -386,16 +376,14 @@ class Pump:
             try:
                 done = [await inbox.seen(session, message_id, h.consumer) for h in marked]
             except Exception as exc:
-                verdict = await self._database_trouble(delivery, marked[0], 1, exc)
+                verdict = await self.judge.database_trouble(delivery, marked[0], 1, exc)
                 if verdict is not None:
                     return verdict
                 return Verdict(Verb.NACK, Outcome.FAILED, f"inbox check failed: {exc}")
             finally:
-                await _discard(session)
+                await discard(session)
             if all(done):
-                self.stats["duplicates-fast-path"] += 1
-                self._note(delivery, marked[0].consumer, 0, "duplicate", fast_path=True)
-                return DUPLICATE
+                return self.judge.duplicate(delivery, marked[0].consumer, 0, "fast-path")
         limit = self.settings.max_deliveries
         reason = f"delivered {delivery.delivery_count} times (WORKER_MAX_DELIVERIES={limit})"
         return Verdict(Verb.DEAD_LETTER, Outcome.EXHAUSTED, reason)
@@ -403,349 +391,19 @@ class Pump:
     async def _consume_observed(
         self, delivery: Delivery, handler: Handler[Any], message: BaseModel
     ) -> Verdict:
-        """:meth:`_consume`, timed and counted per consumer (and traced when tracing is on)."""
+        """The handler's runner on the delivery, timed and counted per consumer (and traced
+        when tracing is on)."""
         started = time.perf_counter()
+        runner = self._runners[handler.runs]
         if self.tracing is None:
-            verdict = await self._consume(delivery, handler, message)
+            verdict = await runner.run(delivery, handler, message)
         else:
             with self.tracing.transaction(handler.consumer) as span:
-                verdict = await self._consume(delivery, handler, message)
+                verdict = await runner.run(delivery, handler, message)
                 span.set_attribute("worker.outcome", verdict.outcome)
         metrics.observe_handler(handler.consumer, time.perf_counter() - started)
         self.outcomes[handler.consumer, verdict.outcome] += 1
         return verdict
-
-    async def _consume(
-        self, delivery: Delivery, handler: Handler[Any], message: BaseModel
-    ) -> Verdict:
-        """Run one handler until it commits, is a duplicate, or must give the delivery back."""
-        if handler.side_effect:
-            return await self._claimed(delivery, handler, message)
-        settings = self.settings
-        message_id = delivery.message_id
-        assert message_id is not None
-        consumer = handler.consumer
-        timeout = settings.handler_timeout
-        attempt = 0
-        deadline = 0.0
-        while True:
-            attempt += 1
-            session: PumpSession = self._sessions()
-            spent = True
-            try:
-                if await self._mark(session, delivery, handler, message):
-                    return self._fast_duplicate(delivery, consumer, attempt)
-                context = Context(
-                    session,
-                    message_id,
-                    consumer,
-                    delivery.delivery_count,
-                    attempt,
-                    delivery.headers,
-                )
-                run = HandlerRun()
-                running = HANDLER_RUNNING.set(run)
-                try:  # inline, not a wrapper coroutine: every resume of the handler skips a frame
-                    async with asyncio.timeout(timeout):
-                        await handler.func(context, message)
-                except TimeoutError as exc:
-                    if timeout is None:
-                        raise
-                    raise _overran(timeout) from exc
-                finally:
-                    HANDLER_RUNNING.reset(running)
-                _refuse_swallowed(run)
-                if delivery.in_transaction is not None:
-                    await delivery.in_transaction(session)
-                await AsyncSession.commit(session)
-                # Committed: the connection is back in the pool and nothing is left to
-                # roll back, so the session is dropped unclosed (one greenlet hop less).
-                spent = False
-                self._note(delivery, consumer, attempt, "committed")
-                return COMMITTED
-            except Poison as exc:
-                reason = f"{consumer}: {exc}"
-                return Verdict(Verb.DEAD_LETTER, Outcome.POISON, reason, attempt=attempt)
-            except Retry as exc:
-                self._note(delivery, consumer, attempt, "retry-requested", reason=str(exc))
-                return Verdict(
-                    Verb.NACK, Outcome.RETRY_REQUESTED, str(exc), exc.delay, attempt=attempt
-                )
-            except Exception as exc:
-                if attempt == 1:
-                    deadline = time.monotonic() + settings.retry_budget
-                verdict = await self._after_failure(
-                    delivery, handler, attempt, deadline, session, exc
-                )
-                if verdict is not None:
-                    return replace(verdict, attempt=attempt)
-            finally:
-                if spent:
-                    await _discard(session)
-
-    async def _mark(
-        self, session: PumpSession, delivery: Delivery, handler: Handler[Any], message: BaseModel
-    ) -> bool:
-        """Insert the inbox marker; True instead when the fast path finds it there already.
-
-        Only a redelivery can be a broker-made duplicate of finished work, so a first
-        delivery goes straight to the insert. A keyed handler on PostgreSQL takes the key's
-        advisory lock first, so other processes' writers of that key wait their turn.
-        """
-        message_id = delivery.message_id
-        assert message_id is not None
-        consumer = handler.consumer
-        key = None if handler.key is None or not self._postgres else handler.key(message)
-        if not handler.inbox:
-            if key is not None:
-                await inbox.lock_key(session, str(key))
-            return False
-        if not delivery.redelivered:
-            if key is None:
-                await inbox.mark(session, message_id, consumer)
-            else:
-                await inbox.mark_keyed(session, message_id, consumer, str(key))
-            return False
-        fast_path = self.settings.fast_path
-        if self._postgres:
-            return await inbox.mark_redelivery(
-                session,
-                message_id,
-                consumer,
-                self._lock_timeout_ms,
-                fast_path=fast_path,
-                key=None if key is None else str(key),
-            )
-        if fast_path and await inbox.seen(session, message_id, consumer):
-            return True
-        await inbox.mark(session, message_id, consumer)
-        return False
-
-    def _fast_duplicate(self, delivery: Delivery, consumer: str, attempt: int) -> Verdict:
-        self.stats["duplicates-fast-path"] += 1
-        self._note(delivery, consumer, attempt, "duplicate", fast_path=True)
-        return DUPLICATE
-
-    async def _after_failure(
-        self,
-        delivery: Delivery,
-        handler: Handler[Any],
-        attempt: int,
-        deadline: float,
-        session: AsyncSession,
-        exc: Exception,
-    ) -> Verdict | None:
-        """Decide after a failed attempt: a verdict, or None after backing off to retry."""
-        consumer = handler.consumer
-        swallowed = isinstance(exc, StatementSwallowed)
-        cause = exc.__cause__ if swallowed and isinstance(exc.__cause__, Exception) else exc
-        failure = classify(cause)
-        if swallowed:
-            self._log.error(
-                "handler swallowed a database error",
-                message_id=delivery.message_id,
-                consumer=consumer,
-                attempt=attempt,
-                outcome="swallowed",
-                error=cause,
-                hint=str(exc),
-            )
-            if failure is Failure.DUPLICATE:  # not the pump's marker: the handler's own insert
-                failure = Failure.ERROR
-        final = await self._final(delivery, handler, attempt, session, cause, failure)
-        if final is not None:
-            return final
-        if failure is Failure.CONFLICT or failure is Failure.TRANSIENT:
-            return await self._contended(
-                delivery, consumer, attempt, deadline, session, failure, cause
-            )
-        if failure is Failure.ERROR:
-            return self._failed(delivery, consumer, attempt, exc)
-        verdict = await self._database_trouble(delivery, handler, attempt, cause, failure)
-        if verdict is not None:
-            return verdict
-        # a dropped connection, and the database answers: retry, a bounded number of times
-        if attempt >= self.settings.max_attempts:
-            self._note(delivery, consumer, attempt, "attempts-exhausted", error=cause)
-            return Verdict(Verb.NACK, Outcome.ATTEMPTS_EXHAUSTED, f"{failure.value}: {cause}")
-        self.stats[f"retried-{failure.value}"] += 1
-        await _discard(session)
-        settings = self.settings
-        await asyncio.sleep(backoff(attempt, settings.retry_backoff, settings.retry_backoff_max))
-        return None
-
-    async def _contended(
-        self,
-        delivery: Delivery,
-        consumer: str,
-        attempt: int,
-        deadline: float,
-        session: AsyncSession,
-        failure: Failure,
-        exc: Exception,
-    ) -> Verdict | None:
-        """Someone else committed first: retry on a fresh session until the budget is spent."""
-        settings = self.settings
-        pause = backoff(attempt, settings.retry_backoff, settings.retry_backoff_max)
-        if time.monotonic() + pause > deadline:
-            self._note(delivery, consumer, attempt, "attempts-exhausted", error=exc)
-            reason = f"{failure.value}: retry budget of {settings.retry_budget}s spent: {exc}"
-            return Verdict(
-                Verb.NACK, Outcome.ATTEMPTS_EXHAUSTED, reason, _GIVE_BACK_DELAY, counted=False
-            )
-        self.stats[f"retried-{failure.value}"] += 1
-        self._note(delivery, consumer, attempt, "retrying", failure=failure.value)
-        # end the failed transaction before backing off: on PostgreSQL it may still hold
-        # the marker's key, which a replica racing for the same message would wait on
-        await _discard(session)
-        await asyncio.sleep(pause)
-        return None
-
-    async def _database_trouble(
-        self,
-        delivery: Delivery,
-        handler: Handler[Any],
-        attempt: int,
-        exc: Exception,
-        failure: Failure | None = None,
-    ) -> Verdict | None:
-        """Not the message's fault: a verdict that spends no delivery, or None to retry."""
-        failure = classify(exc) if failure is None else failure
-        consumer = handler.consumer
-        if failure is Failure.LOCKED:
-            self._note(delivery, consumer, attempt, "in-progress", error=exc)
-            reason = "the same message is in progress elsewhere"
-            return Verdict(
-                Verb.NACK,
-                Outcome.IN_PROGRESS,
-                reason,
-                self.settings.marker_lock_timeout,
-                counted=False,
-            )
-        if failure is Failure.SCHEMA:
-            self.health.pause_for_schema(exc)
-            self._note(delivery, consumer, attempt, "paused", error=exc)
-            return Verdict(
-                Verb.NACK, Outcome.PAUSED, "schema behind the code", _GIVE_BACK_DELAY, counted=False
-            )
-        if failure is Failure.CONNECTION:
-            if not await self.health.confirm():
-                self._note(delivery, consumer, attempt, "paused", error=exc)
-                return _PAUSED
-            return None
-        if failure is Failure.DATA:
-            reason = f"{consumer}: the database refuses a value: {type(exc).__name__}: {exc}"
-            return Verdict(Verb.DEAD_LETTER, Outcome.POISON, reason)
-        return None
-
-    async def _final(
-        self,
-        delivery: Delivery,
-        handler: Handler[Any],
-        attempt: int,
-        session: AsyncSession,
-        exc: Exception,
-        failure: Failure,
-    ) -> Verdict | None:
-        """The errors that end a delivery without a retry: duplicate, rejected, row deleted."""
-        if failure is Failure.DUPLICATE:
-            self.stats["duplicates-constraint"] += 1
-            self._note(delivery, handler.consumer, attempt, "duplicate")
-            return DUPLICATE
-        rejected = exc if isinstance(exc, Rejected) else None
-        if rejected is None and failure is Failure.CONFLICT:  # changed, or gone?
-            # end the failed transaction first: it still holds the marker's key (on SQLite
-            # the write lock), which the lookup's fresh connection would wait on
-            await _discard(session)
-            rejected = await deleted_row(session, exc, self._sessions)
-        if rejected is None:
-            return None
-        await _discard(session)  # on PostgreSQL its marker would block the record's
-        return await self._rejected(delivery, handler, attempt, rejected)
-
-    async def _claimed(
-        self, delivery: Delivery, handler: Handler[Any], message: BaseModel
-    ) -> Verdict:
-        """A side-effect handler: claim with a lease, call, mark finished (worker/claims.py)."""
-        try:
-            result = await claims.process(
-                self._sessions, handler, message, delivery, self.settings, self._log
-            )
-        except Exception as exc:
-            verdict = await self._database_trouble(delivery, handler, 1, exc)
-            return (
-                verdict if verdict is not None else self._failed(delivery, handler.consumer, 1, exc)
-            )
-        self._note(delivery, handler.consumer, 1, result.outcome, reason=result.reason)
-        return replace(result, attempt=1)
-
-    async def _rejected(
-        self, delivery: Delivery, handler: Handler[Any], attempt: int, exc: Rejected
-    ) -> Verdict:
-        """Not applied and never retried: record it with the inbox marker, then ack."""
-        consumer = handler.consumer
-        assert delivery.message_id is not None
-        try:
-            recorded = await record_rejection(
-                self._sessions,
-                delivery.message_id,
-                consumer,
-                delivery.type,
-                exc,
-                with_marker=handler.inbox,
-            )
-        except Exception as error:
-            verdict = await self._database_trouble(delivery, handler, attempt, error)
-            return (
-                verdict if verdict is not None else self._failed(delivery, consumer, attempt, error)
-            )
-        if not recorded:
-            self.stats["duplicates-constraint"] += 1
-            self._note(delivery, consumer, attempt, "duplicate")
-            return DUPLICATE
-        self._note(
-            delivery,
-            consumer,
-            attempt,
-            exc.outcome,
-            reason=str(exc),
-            subject=exc.subject,
-            expected=exc.expected,
-            actual=exc.actual,
-        )
-        return Verdict(Verb.ACK, exc.outcome, str(exc))
-
-    def _failed(self, delivery: Delivery, consumer: str, attempt: int, exc: Exception) -> Verdict:
-        verdict = failure(consumer, exc, delivery.delivery_count, self.settings.max_deliveries)
-        self._log.warning(
-            "handler failed",
-            message_id=delivery.message_id,
-            consumer=consumer,
-            attempt=attempt,
-            delivery_count=delivery.delivery_count,
-            outcome="dead-lettered" if verdict.verb is Verb.DEAD_LETTER else "nacked",
-            exc_info=exc,
-        )
-        return verdict
-
-    def _note(
-        self, delivery: Delivery, consumer: str, attempt: int, outcome: str, **extra: Any
-    ) -> None:
-        self.stats[outcome] += 1
-        if outcome == "committed":
-            return  # hot path: logging each commit costs more than its Python work
-        log = self._log.info if outcome == "duplicate" else self._log.warning
-        if outcome == "retrying":
-            log = self._log.debug
-        log(
-            outcome,
-            message_id=delivery.message_id,
-            consumer=consumer,
-            attempt=attempt,
-            outcome=outcome,
-            delivery_count=delivery.delivery_count,
-            **extra,
-        )
 
     async def _settle(
         self, delivery: Delivery, verdict: Verdict, consumer: str | None = None
@@ -766,7 +424,7 @@ class Pump:
             elif verb is Verb.NACK:
                 if not verdict.counted and attempts.wanted(delivery, self.settings):
                     handlers = self.registry.for_type(delivery.type)
-                    await attempts.refund(self._engine, delivery, handlers)
+                    await attempts.refund(self.engine, delivery, handlers)
                 await delivery.nack(verdict.delay, counted=verdict.counted)
             else:
                 assert verdict.reason is not None
@@ -822,27 +480,6 @@ def _bind(
         await process(delivery, handlers, decoded)
 
     return work
-
-
-def _refuse_swallowed(run: HandlerRun) -> None:
-    if run.failures:
-        raise StatementSwallowed(
-            "a statement failed inside the handler and the handler carried on; "
-            "the transaction is aborted: catch database errors inside "
-            "`async with ctx.session.begin_nested():` instead"
-        ) from run.failures[0]
-
-
-def _overran(seconds: float) -> HandlerTimeout:
-    return HandlerTimeout(f"handler ran longer than WORKER_HANDLER_TIMEOUT={seconds}s")
-
-
-async def _discard(session: AsyncSession) -> None:
-    """Close an attempt's session (rolling back what did not commit), whatever state it is in."""
-    try:
-        await AsyncSession.close(session)
-    except Exception:  # a broken connection can fail its own rollback; the pump drops it
-        await AsyncSession.invalidate(session)
 
 
 def _first_error(exc: ValidationError) -> str:

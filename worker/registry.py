@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import importlib
 from collections.abc import Awaitable, Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -143,6 +144,15 @@ HandlerFunc = Callable[[Context, M], Awaitable[None]]
 BatchHandlerFunc = Callable[[BatchContext, Sequence[M]], Awaitable[None]]
 
 
+class Runs(enum.Enum):
+    """Which runner a handler's deliveries go through (the pump holds one of each)."""
+
+    TRANSACTION = "transaction"
+    """worker.transaction: marker and writes in one commit per attempt."""
+    CLAIM = "claim"
+    """worker.claims: a leased two-phase claim around a call outside the database."""
+
+
 @dataclass(frozen=True, slots=True)
 class Handler(Generic[M]):
     """One registered handler. ``func`` always takes one message; for a batch handler it
@@ -153,14 +163,14 @@ class Handler(Generic[M]):
     func: HandlerFunc[M]
     consumer: str
     inbox: bool
-    side_effect: bool = False
+    runs: Runs = Runs.TRANSACTION
     key: Callable[[M], Hashable] | None = None
     batch: BatchHandlerFunc[M] | None = None
 
     @property
     def batchable(self) -> bool:
         """Whether batch mode may run it inside a shared transaction (claims and keys: no)."""
-        return not self.side_effect and self.key is None
+        return self.runs is Runs.TRANSACTION and self.key is None
 
 
 class Registry:
@@ -242,7 +252,14 @@ class Registry:
                 )
             one = _one_at_a_time(func) if batch else func
             entry: Handler[M] = Handler(
-                message_type, model, one, name, inbox, side_effect, key, func if batch else None
+                message_type,
+                model,
+                one,
+                name,
+                inbox,
+                Runs.CLAIM if side_effect else Runs.TRANSACTION,
+                key,
+                func if batch else None,
             )
             self._by_type[message_type] = (*self._by_type.get(message_type, ()), entry)
             return func

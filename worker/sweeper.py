@@ -25,6 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from worker.claims import ABANDONED, CLAIMED, _aware, _close, _inbox, _now, run, take_over
 from worker.logs import scrub
+from worker.registry import Runs
 
 if TYPE_CHECKING:
     from worker.registry import Registry
@@ -116,7 +117,7 @@ async def redrive(
     claims never hides the others behind ``limit``.
     """
     results: Counter[str] = Counter()
-    by_consumer = {h.consumer: h for h in handlers if h.side_effect}
+    by_consumer = {h.consumer: h for h in handlers if h.runs is Runs.CLAIM}
     for stale in await stale_claims(sessions, limit):
         if stale.attempts >= settings.max_deliveries:
             gave_up = await _abandon_exhausted(sessions, stale.id, settings.max_deliveries)

@@ -85,8 +85,7 @@ class Tracing:
     ) -> None:
         self._tracer = trace.get_tracer("worker", tracer_provider=tracer_provider)
         self._system = MESSAGING_SYSTEMS.get(broker.name, broker.name)
-        # Adapters may expose the queue or topic they consume as ``destination``.
-        self._destination = str(getattr(broker, "destination", None) or broker.name)
+        self._destination = broker.destination
         self._db_system = engine.dialect.name if engine is not None else None
         self._name = f"process {self._destination}"
 

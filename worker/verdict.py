@@ -3,7 +3,8 @@ the metrics and the logs.
 
 A :class:`Verdict` joins the settlement :class:`Verb` the broker sees to the
 :class:`Outcome` the worker records; :func:`failure` is the one rule for an
-ordinary exception (nack, and dead-letter on the last allowed delivery).
+ordinary exception (nack, and dead-letter on the last allowed delivery); what a
+handler asks for by raising ``Poison`` or ``Retry`` is :func:`worker.judge.requested`.
 """
 
 from __future__ import annotations
@@ -96,3 +97,11 @@ def failure(consumer: str, exc: BaseException, delivery_count: int, max_deliveri
         reason = f"failed {delivery_count} deliveries: {reason}"
         return Verdict(Verb.DEAD_LETTER, Outcome.EXHAUSTED, reason)
     return Verdict(Verb.NACK, Outcome.FAILED, reason)
+
+
+GIVE_BACK_DELAY = 1.0
+"""Seconds before an uncounted give-back (pause, contention, shutdown) comes back."""
+
+PAUSED = Verdict(Verb.NACK, Outcome.PAUSED, "database unavailable", GIVE_BACK_DELAY, counted=False)
+STOPPING = Verdict(Verb.NACK, Outcome.SHUTDOWN, "the worker is stopping", 0.0, counted=False)
+UNEXPECTED = Verdict(Verb.NACK, Outcome.NACKED, "unexpected error")

@@ -65,9 +65,11 @@ class Faulty:
     """
 
     name = "faulty"
+    destination = "faulty"
 
     def __init__(self, inner: MemoryConsumer, **faults: set[str]) -> None:
         self.inner = inner
+        self.stats: Counter[str] = Counter()
         self.faults = faults
         self.again: list[Delivery] = []
 

@@ -17,13 +17,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from handlers.credit import CreditRequested, apply_credit
+from tests.support.pumps import RunPump
 from worker import tracing
 from worker.errors import ConfigurationError
 from worker.registry import Registry
 from worker.settings import Settings
 from worker.tracing import GETTER, Tracing
-
-RunPump = Any  # the run_pump fixture (tests/ops/conftest.py)
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -55,7 +54,7 @@ def provider(exporter: InMemorySpanExporter) -> TracerProvider:
 async def settle_all(run: Any, provider: TracerProvider, *messages: tuple[Any, ...]) -> None:
     async with run(registry()) as (pump, broker):
         assert pump.tracing is None  # built where the process is assembled (cli.assemble)
-        pump.tracing = Tracing(pump.broker, pump._engine, tracer_provider=provider)
+        pump.tracing = Tracing(pump.broker, pump.engine, tracer_provider=provider)
         for message in messages:
             broker.publish(*message)
         await broker.wait_idle(timeout=10)
