@@ -21,6 +21,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tests.support.exclusive import holding
+from tests.support.pumps import MakeSettings, RunPumps, pumps_on
 from tests.support.rabbitmq import guest_url, throwaway_vhost
 from tests.support.services import require_service
 from tests.support.tansu import Tansu, running_tansu
@@ -136,7 +137,7 @@ async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
 
 
 @pytest.fixture
-def make_settings(request: pytest.FixtureRequest) -> Callable[..., Settings]:
+def make_settings(request: pytest.FixtureRequest) -> MakeSettings:
     """Settings for in-process pumps; the database is the test's ``database_url`` unless given."""
 
     def make(**overrides: Any) -> Settings:
@@ -158,36 +159,10 @@ def make_settings(request: pytest.FixtureRequest) -> Callable[..., Settings]:
 
 
 @pytest.fixture
-def run_pumps() -> Callable[..., Any]:
+def run_pumps() -> RunPumps:
     """``async with run_pumps(brokers, engines, registry, settings) as pumps:`` starts pumps
-    (one per broker connection) and stops them gracefully on exit."""
-    from contextlib import asynccontextmanager
-
-    from worker.pump import Pump
-
-    @asynccontextmanager
-    async def run(
-        consumers: list[Any], engines: list[AsyncEngine], registry: Any, settings: Settings
-    ) -> AsyncIterator[list[Pump]]:
-        pumps = [
-            Pump(consumer, engines[i % len(engines)], registry, settings, name=f"pump-{i}")
-            for i, consumer in enumerate(consumers)
-        ]
-        tasks = [asyncio.create_task(pump.run()) for pump in pumps]
-        async with asyncio.timeout(10):
-            while not all(pump.consuming for pump in pumps):
-                for task in tasks:
-                    if task.done():
-                        task.result()
-                await asyncio.sleep(0.001)
-        try:
-            yield pumps
-        finally:
-            for pump in pumps:
-                pump.stop()
-            await asyncio.gather(*tasks)
-
-    return run
+    (one per broker connection) and stops them gracefully on exit (tests/support/pumps.py)."""
+    return pumps_on
 
 
 # -- brokers -------------------------------------------------------------------------

@@ -8,9 +8,7 @@ once (as a provider that deduplicates does), and can be told to fail or hang.
 from __future__ import annotations
 
 import asyncio
-import subprocess
 from collections import Counter
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -18,7 +16,6 @@ from aiohttp import web
 from sqlalchemy import Table, event, func, insert, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tests.support.processes import clean_env, worker_cli
 from worker.inbox import InboxMarker
 
 INBOX: Table = InboxMarker.__table__  # type: ignore[assignment]
@@ -107,29 +104,3 @@ def record_statements(engine: AsyncEngine) -> list[str]:
         lambda _c, _cur, sql, *_: statements.append(sql),
     )
     return statements
-
-
-async def eventually(check: Callable[[], Any], within: float = 10.0) -> None:
-    """Poll ``check`` (sync or async) until it is truthy, for at most ``within`` seconds."""
-    async with asyncio.timeout(within):
-        while True:
-            result = check()
-            if asyncio.iscoroutine(result):
-                result = await result
-            if result:
-                return
-            await asyncio.sleep(0.02)
-
-
-def run_cli(
-    *args: str, env: dict[str, str], timeout: float = 60
-) -> subprocess.CompletedProcess[str]:
-    """``python -m worker.cli ...`` in a subprocess, with only the given WORKER_* variables."""
-    return subprocess.run(
-        worker_cli(*args),
-        env={**clean_env(), "WORKER_LOG_FORMAT": "json", **env},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )

@@ -15,7 +15,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.orm.exc import StaleDataError
 
 from handlers.pricing import ChangeProductPrice, Product, change_price
-from tests.concurrency.concurrency_helpers import run_cli
+from tests.support.processes import json_env, run_cli
 from worker.concurrency import (
     TRIGGER_MAINTAINED,
     BulkConflict,
@@ -200,12 +200,14 @@ def test_worker_run_refuses_such_a_model_at_start(tmp_path: Path) -> None:
     import os
 
     done = run_cli(
+        json_env(
+            {
+                "WORKER_DATABASE_URL": f"sqlite+aiosqlite:///{tmp_path / 'w.db'}",
+                "WORKER_HANDLERS": "null_token_handlers",
+                "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+            }
+        ),
         "run",
-        env={
-            "WORKER_DATABASE_URL": f"sqlite+aiosqlite:///{tmp_path / 'w.db'}",
-            "WORKER_HANDLERS": "null_token_handlers",
-            "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
-        },
         timeout=60,
     )
     assert done.returncode == 2, done.stderr

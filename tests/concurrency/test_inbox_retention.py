@@ -12,7 +12,9 @@ from sqlalchemy import select, text
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tests.concurrency.concurrency_helpers import INBOX, add_marker, count, eventually, run_cli
+from tests.concurrency.concurrency_helpers import INBOX, add_marker, count
+from tests.support.processes import json_env, run_cli
+from tests.support.waiting import wait_for
 from worker import retention
 from worker.db import create_engine
 from worker.errors import ConfigurationError
@@ -62,12 +64,14 @@ def test_the_window_is_computed_from_the_broker_and_a_shorter_one_is_refused() -
 
 def test_a_short_retention_stops_the_worker_at_start_with_one_line(tmp_path: Any) -> None:
     done = run_cli(
+        json_env(
+            {
+                "WORKER_DATABASE_URL": f"sqlite+aiosqlite:///{tmp_path / 'w.db'}",
+                "WORKER_INBOX_RETENTION": "P7D",
+                "WORKER_MESSAGE_TTL": "P14D",
+            }
+        ),
         "purge-inbox",
-        env={
-            "WORKER_DATABASE_URL": f"sqlite+aiosqlite:///{tmp_path / 'w.db'}",
-            "WORKER_INBOX_RETENTION": "P7D",
-            "WORKER_MESSAGE_TTL": "P14D",
-        },
     )
     assert done.returncode == 2
     [line] = done.stderr.strip().splitlines()
@@ -161,7 +165,8 @@ async def test_a_purge_cancelled_mid_run_does_not_keep_the_lock(
         async def some_batches_done() -> bool:
             return await count(engine, INBOX) <= 27
 
-        await eventually(some_batches_done, within=5)  # then cancel it, lock held, mid-run
+        # then cancel it, lock held, mid-run
+        await wait_for(some_batches_done, 5, "three batches purged", step=0.02)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -190,7 +195,7 @@ async def test_housekeeping_purges_periodically(engine: AsyncEngine, make_settin
         async def purged() -> bool:
             return await remaining(engine) == ["recent"]
 
-        await eventually(purged, within=5)
+        await wait_for(purged, 5, "the old marker purged", step=0.02)
     finally:
         chores.cancel()
         await asyncio.gather(chores, return_exceptions=True)
@@ -210,7 +215,7 @@ def test_worker_purge_inbox(database_url: str) -> None:
 
     asyncio.run(seed())
     done = run_cli(
-        "purge-inbox", env={"WORKER_DATABASE_URL": database_url, "WORKER_PURGE_BATCH": "2"}
+        json_env({"WORKER_DATABASE_URL": database_url, "WORKER_PURGE_BATCH": "2"}), "purge-inbox"
     )
     assert done.returncode == 0, done.stderr
     assert "purged 5 finished markers older than" in done.stderr

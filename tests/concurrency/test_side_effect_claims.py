@@ -25,17 +25,17 @@ from tests.concurrency.concurrency_helpers import (
     MailServer,
     add_marker,
     count,
-    eventually,
     inbox_rows,
     record_statements,
-    run_cli,
 )
+from tests.support.processes import json_env, run_cli
+from tests.support.pumps import running_pump
+from tests.support.waiting import wait_for
 from worker import claims, sweeper
 from worker.brokers.memory import MemoryBroker
 from worker.claims import ClaimContext, side_effect
 from worker.db import create_engine, session_factory
 from worker.logs import get_logger
-from worker.pump import Pump
 from worker.registry import Context, Registry
 from worker.settings import Settings
 
@@ -133,7 +133,7 @@ async def test_a_live_claim_is_left_to_its_owner_and_nacked_with_a_delay(
     settings = claim_settings(make_settings, claim_lease=60, claim_call_timeout=5)
     async with run_pumps([broker.connect()], [engine], mail_registry(), settings) as [pump]:
         broker.publish("welcome-1", "SendWelcomeEmail", BODY)
-        await eventually(lambda: pump.stats["claim-held"] == 1)
+        await wait_for(lambda: pump.stats["claim-held"] == 1, 10.0, "the claim held", step=0.02)
         assert broker._delayed == 1  # held back for about the lease's remaining 30 s
     assert mail_server.calls["welcome-1"] == 0
     [row] = await inbox_rows(engine)
@@ -179,7 +179,7 @@ async def test_a_crash_between_phases_still_ends_in_one_effect(
     try:
         async with run_pumps([broker.connect()], engines[:1], mail_registry(hold_first), doomed):
             broker.publish("welcome-1", "SendWelcomeEmail", BODY)
-            await eventually(reached.is_set)
+            await wait_for(reached.is_set, 10.0, "the held attempt", step=0.02)
         # The replica is gone: its attempt was cancelled, its delivery went back unsettled.
         [claimed] = await inbox_rows(engines[1])
         assert (claimed.state, claimed.processed_at) == ("claimed", None)
@@ -206,8 +206,10 @@ async def test_a_failing_server_is_retried_and_never_marked_processed(
     settings = claim_settings(make_settings)
     async with run_pumps([broker.connect()], [engine], mail_registry(), settings) as [pump]:
         broker.publish("welcome-1", "SendWelcomeEmail", BODY)
-        await eventually(lambda: mail_server.calls["welcome-1"] >= 1)
-        await eventually(lambda: pump.stats["retry-requested"] == 1)
+        await wait_for(
+            lambda: mail_server.calls["welcome-1"] >= 1, 10.0, "the first call", step=0.02
+        )
+        await wait_for(lambda: pump.stats["retry-requested"] == 1, 10.0, "the retry", step=0.02)
         [row] = await inbox_rows(engine)
         assert (row.state, row.processed_at) == ("claimed", None)  # failed: not processed
         assert row.outcome == "failed: Retry: mail API answered HTTP 503"
@@ -266,7 +268,7 @@ async def test_a_hanging_server_times_out_keeps_the_claim_and_is_called_again_af
     settings = claim_settings(make_settings)
     async with run_pumps([broker.connect()], [engine], mail_registry(), settings) as [pump]:
         broker.publish("welcome-1", "SendWelcomeEmail", BODY)
-        await eventually(lambda: pump.stats["call-timeout"] == 1)
+        await wait_for(lambda: pump.stats["call-timeout"] == 1, 10.0, "the call timeout", step=0.02)
         [row] = await inbox_rows(engine)
         assert row.state == "claimed" and row.lease_until is not None
         assert row.outcome.startswith("unknown: TimeoutError")  # not "failed": lease kept
@@ -420,7 +422,7 @@ def test_worker_sweep_lists_stale_claims_as_json(database_url: str) -> None:
             await engine.dispose()
 
     asyncio.run(seed())
-    done = run_cli("sweep", env={"WORKER_DATABASE_URL": database_url})
+    done = run_cli(json_env({"WORKER_DATABASE_URL": database_url}), "sweep")
     assert done.returncode == 0, done.stderr
     [line] = done.stdout.splitlines()  # the live claim m2 is not listed
     listed = json.loads(line)
@@ -465,12 +467,9 @@ async def test_a_call_cut_by_shutdown_keeps_its_lease_and_stays_unfinished(
     mail_server.hang, mail_server.hang_for = 1, 1.0
     broker = MemoryBroker()
     settings = claim_settings(make_settings, grace_period=0, claim_call_timeout=0.5)
-    pump = Pump(broker.connect(), engine, mail_registry(), settings)
-    task = asyncio.create_task(pump.run())
-    broker.publish("welcome-1", "SendWelcomeEmail", BODY)
-    await eventually(mail_server.arrived.is_set)
-    pump.stop()
-    await task
+    async with running_pump(broker.connect(), engine, mail_registry(), settings):
+        broker.publish("welcome-1", "SendWelcomeEmail", BODY)
+        await wait_for(mail_server.arrived.is_set, 10.0, "the call", step=0.02)
     [row] = await inbox_rows(engine)
     assert (row.state, row.attempts) == ("claimed", 1)
     assert row.outcome is None  # cancelled, not failed: nothing released, the lease runs out

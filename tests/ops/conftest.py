@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import shutil
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.support.pumps import RunPump, engine_for, running_pump
 from worker.brokers.memory import MemoryBroker
-from worker.db import create_engine
 from worker.pump import Pump
 from worker.registry import Registry
 from worker.settings import Settings
@@ -25,9 +24,6 @@ def sqlite_url(sqlite_template: Path, tmp_path: Path) -> str:
     path = tmp_path / "worker.db"
     shutil.copy(sqlite_template, path)
     return f"sqlite+aiosqlite:///{path}"
-
-
-RunPump = Callable[..., Any]
 
 
 @pytest.fixture
@@ -46,16 +42,10 @@ def run_pump(sqlite_url: str) -> RunPump:
         values.update(overrides)
         settings = Settings(**values)
         broker = MemoryBroker()
-        engine = create_engine(sqlite_url, pool_size=8)
-        pump = Pump(broker.connect(), engine, registry, settings, name="test")
-        task = asyncio.create_task(pump.run())
-        try:
-            async with asyncio.timeout(10):
-                await pump.started.wait()
+        async with (
+            engine_for(sqlite_url, pool_size=8) as engine,
+            running_pump(broker.connect(), engine, registry, settings, name="test") as pump,
+        ):
             yield pump, broker
-        finally:
-            pump.stop()
-            await asyncio.wait_for(task, 15)
-            await engine.dispose()
 
     return run

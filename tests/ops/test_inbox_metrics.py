@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Table, insert
 
 from handlers.credit import CreditRequested, apply_credit
-from tests.ops.conftest import RunPump
+from tests.support.pumps import RunPump
 from worker.db import create_engine
 from worker.errors import Poison
 from worker.inbox import InboxMarker

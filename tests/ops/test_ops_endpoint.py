@@ -9,8 +9,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
-from typing import Any
 
 import aiohttp
 import pytest
@@ -18,6 +16,8 @@ from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from handlers.credit import CreditRequested, apply_credit
+from tests.support.pumps import RunPump
+from tests.support.waiting import wait_for
 from worker import metrics
 from worker.errors import ConfigurationError, Poison
 from worker.metrics import PumpCollector
@@ -25,8 +25,6 @@ from worker.ops import HEALTHZ, METRICS, READYZ, OpsServer, start_ops
 from worker.pump import Pump
 from worker.registry import Context, Registry
 from worker.settings import Settings
-
-RunPump = Any  # the run_pump fixture (tests/ops/conftest.py)
 
 
 def credit_registry(gate: asyncio.Event | None = None) -> Registry:
@@ -69,13 +67,6 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 def value(text: str, name: str, **labels: str) -> float | None:
     return samples(text).get((name, tuple(sorted(labels.items()))))
-
-
-async def wait_for(predicate: Callable[[], bool], limit: float = 5.0) -> None:
-    """Poll (bounded): the pump exposes plain state, not events, to observe."""
-    async with asyncio.timeout(limit):
-        while not predicate():  # noqa: ASYNC110
-            await asyncio.sleep(0.01)
 
 
 def own_registry(pump: Pump) -> CollectorRegistry:
@@ -183,9 +174,14 @@ async def test_metrics_count_outcomes_per_consumer_and_read_the_pump(run_pump: R
             broker.publish("ops-m2", "CreditRequested", body(), copies=2)  # a producer retry
             broker.publish("ops-m3", "Rejected", body())
             broker.publish("ops-m4", "Unknown", body())
-            await wait_for(lambda: broker.stats["acked"] == 3 and len(broker.dead_letters) == 2)
+            await wait_for(
+                lambda: broker.stats["acked"] == 3 and len(broker.dead_letters) == 2,
+                5.0,
+                "three acks and two dead letters",
+                step=0.01,
+            )
             broker.publish("ops-m5", "Held", body())
-            await wait_for(lambda: pump.in_flight == 1)
+            await wait_for(lambda: pump.in_flight == 1, 5.0, "one handler in flight", step=0.01)
 
             status, content_type, text = await get(server.port, METRICS)
             assert status == 200
@@ -204,7 +200,9 @@ async def test_metrics_count_outcomes_per_consumer_and_read_the_pump(run_pump: R
             assert timed - timed_before == 3  # one observation per consumer per delivery
 
             gate.set()
-            await wait_for(lambda: pump.in_flight == 0 and broker.idle)
+            await wait_for(
+                lambda: pump.in_flight == 0 and broker.idle, 5.0, "the pump idle", step=0.01
+            )
             text = (await get(server.port, METRICS))[2]
             assert value(text, "worker_in_flight") == 0
             assert value(text, deliveries, consumer="ops-held", outcome="committed") == 1

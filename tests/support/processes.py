@@ -13,7 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -36,18 +36,29 @@ def clean_env(*prefixes: str) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(dropped)}
 
 
+def json_env(variables: Mapping[str, str] | None = None) -> dict[str, str]:
+    """:func:`clean_env` with JSON logs, then ``variables``: a one-shot command's environment."""
+    return {**clean_env(), "WORKER_LOG_FORMAT": "json", **(variables or {})}
+
+
 def worker_cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "worker.cli", *args]
 
 
 def run_cli(
-    env: dict[str, str], *args: str, stdin: str | None = None, timeout: float = 60
+    env: Mapping[str, str],
+    *args: str,
+    stdin: str | None = None,
+    timeout: float = 60,
+    cwd: Path | None = REPO,
 ) -> subprocess.CompletedProcess[str]:
-    """``worker <args>`` to completion (bounded), output captured."""
+    """``worker <args>`` in ``env`` (the whole environment: see :func:`clean_env` and
+    :func:`json_env`) to completion, bounded, output captured; in the repository unless
+    ``cwd`` says where (None: this process's directory). The suite's only CLI runner."""
     return subprocess.run(
         worker_cli(*args),
-        env=env,
-        cwd=REPO,
+        env=dict(env),
+        cwd=cwd,
         input=stdin,
         capture_output=True,
         text=True,
