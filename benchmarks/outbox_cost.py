@@ -32,9 +32,9 @@ from sqlalchemy import event
 
 from handlers.credit import CreditRequested, apply_credit
 from worker import logs, outbox
-from worker.brokers.memory import MemoryBroker
-from worker.brokers.publishers import MemoryPublisher, Outgoing, Publisher, RabbitMQPublisher
-from worker.brokers.rabbitmq import RabbitMQSettings
+from worker.brokers.memory import MemoryBroker, MemoryPublisher
+from worker.brokers.publishers import Outgoing, Publisher
+from worker.brokers.rabbitmq import RabbitMQPublisher, RabbitMQSettings
 from worker.db import create_engine
 from worker.migrate import upgrade
 from worker.pump import Pump

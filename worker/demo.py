@@ -30,8 +30,7 @@ from sqlalchemy import Column, Integer, MetaData, Numeric, String, Table, func, 
 
 from handlers.credit import Account, CreditRequested, apply_credit, apply_credit_and_announce
 from worker import outbox
-from worker.brokers.memory import MemoryBroker
-from worker.brokers.publishers import MemoryPublisher
+from worker.brokers.memory import MemoryBroker, MemoryPublisher
 from worker.db import create_engine
 from worker.errors import Poison
 from worker.inbox import InboxMarker

@@ -16,6 +16,7 @@ from sqlalchemy import Numeric, bindparam, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from handlers.credit import Account, CreditRequested, apply_credit
+from tests.support.pumps import MakeSettings, RunPumps
 from tests.support.waiting import wait_for
 from worker.brokers.memory import MemoryBroker, MemoryConsumer
 from worker.delivery import Delivery
@@ -77,7 +78,7 @@ def credit_registry(shape: str) -> Registry:
 
 @pytest.mark.parametrize("shape", ["orm", "set-based"])
 async def test_two_batch_pumps_apply_every_credit_once(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any, shape: str
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps, shape: str
 ) -> None:
     settings = make_settings(batch_size=8, batch_wait=0.02, concurrency=3)
     broker = MemoryBroker()
@@ -133,7 +134,7 @@ def failing_registry(sessions: list[int]) -> Registry:
 
 
 async def test_failures_inside_a_batch_stay_their_own(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     async with engine.begin() as connection:
         await connection.execute(
@@ -169,7 +170,7 @@ async def test_failures_inside_a_batch_stay_their_own(
 
 @pytest.mark.parametrize("sqlstate", ["40001", "40P01"])
 async def test_a_failing_batch_retries_then_falls_back_without_spending_counts(
-    postgres_only_url: str, make_settings: Any, run_pumps: Any, sqlstate: str
+    postgres_only_url: str, make_settings: MakeSettings, run_pumps: RunPumps, sqlstate: str
 ) -> None:
     from worker.db import create_engine
 
@@ -205,7 +206,7 @@ async def test_a_failing_batch_retries_then_falls_back_without_spending_counts(
 
 
 async def test_a_savepoint_that_loses_a_deadlock_runs_again_on_its_own(
-    postgres_only_url: str, make_settings: Any, run_pumps: Any
+    postgres_only_url: str, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     from worker.db import create_engine
 
@@ -282,7 +283,7 @@ def test_batch_settings_are_known_variables(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 async def test_a_batch_handler_outside_batch_mode_gets_one_message(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     sizes: list[int] = []
     registry = Registry()
@@ -302,7 +303,7 @@ async def test_a_batch_handler_outside_batch_mode_gets_one_message(
     assert await balances(engine) == {"a": Decimal(3)}
 
 
-async def test_batch_mode_prefetch_fills_every_worker(make_settings: Any) -> None:
+async def test_batch_mode_prefetch_fills_every_worker(make_settings: MakeSettings) -> None:
     from worker.db import create_engine
     from worker.pump import Pump
 
@@ -330,7 +331,7 @@ class PartitionedConsumer(MemoryConsumer):
 
     def accept(self, flight: Any) -> None:
         super().accept(flight)
-        delivery: Delivery = self._inbox._queue[-1]  # type: ignore[attr-defined]
+        delivery: Delivery = flight.delivery
         delivery.group = delivery.headers.get("p")
 
         async def store(session: Any, message_id: str | None = delivery.message_id) -> None:
@@ -341,7 +342,7 @@ class PartitionedConsumer(MemoryConsumer):
 
 
 async def test_a_batch_keeps_to_one_group_in_receive_order_and_stores_each_commit(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     batches: list[list[tuple[str, str]]] = []
     registry = Registry()
@@ -355,7 +356,8 @@ async def test_a_batch_keeps_to_one_group_in_receive_order_and_stores_each_commi
         batches.append([(ctx.headers[i]["p"], ctx.message_ids[i]) for i in range(len(messages))])
         await upsert_credits(ctx, messages)
 
-    broker, stored = MemoryBroker(), []
+    broker = MemoryBroker()
+    stored: list[str] = []
     for n in range(12):
         account = "bad" if n == 7 else "a"
         broker.publish(f"m-{n}", "Credit", body(account, "1"), {"p": n % 2})
@@ -376,7 +378,7 @@ async def test_a_batch_keeps_to_one_group_in_receive_order_and_stores_each_commi
     assert await balances(engine) == {"a": Decimal(11)}
 
 
-async def test_what_batch_mode_leaves_to_the_per_message_path(make_settings: Any) -> None:
+async def test_what_batch_mode_leaves_to_the_per_message_path(make_settings: MakeSettings) -> None:
     from worker.batch import BatchRunner
     from worker.db import create_engine
     from worker.pump import Pump
@@ -412,7 +414,7 @@ async def test_what_batch_mode_leaves_to_the_per_message_path(make_settings: Any
 
 
 async def test_one_group_runs_one_batch_at_a_time_in_order_while_groups_overlap(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     """A Kafka partition's order holds across batches: a ripe batch released while its
     group's previous one still runs waits for it; other groups use the other workers."""
@@ -428,7 +430,8 @@ async def test_one_group_runs_one_batch_at_a_time_in_order_while_groups_overlap(
         group = ctx.headers[0]["p"]
         spans.append((group, ids, started, asyncio.get_running_loop().time()))
 
-    broker, stored = MemoryBroker(), []
+    broker = MemoryBroker()
+    stored: list[str] = []
     for n in range(40):
         broker.publish(f"m-{n}", "Credit", body("a" if n % 2 else "b", "1"), {"p": n % 2})
     settings = make_settings(batch_size=3, batch_wait=0.01, concurrency=4)
@@ -450,7 +453,7 @@ async def test_one_group_runs_one_batch_at_a_time_in_order_while_groups_overlap(
 
 
 async def test_a_row_held_elsewhere_sends_its_message_around_not_the_batch_waiting(
-    postgres_only_url: str, make_settings: Any, run_pumps: Any
+    postgres_only_url: str, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     """Batches that wait on each other's rows deadlock; a savepoint waits 50 ms at most."""
     from worker.db import create_engine

@@ -41,8 +41,8 @@ from tests.support.services import unavailable
 from tests.support.tansu import Tansu
 from tests.support.waiting import wait_for
 from worker import outbox
-from worker.brokers.kafka import KafkaBroker
-from worker.brokers.publishers import KafkaPublisher, Outgoing
+from worker.brokers.kafka import KafkaBroker, KafkaPublisher
+from worker.brokers.publishers import Outgoing
 from worker.db import create_engine
 from worker.errors import ConfigurationError
 from worker.pump import Pump

@@ -153,11 +153,14 @@ def dockerfile_env(instructions: list[tuple[str, str]]) -> dict[str, str]:
 
 
 def settings_classes() -> list[type[BaseSettings]]:
-    """worker.settings.Settings and every ``*Settings`` class in worker/brokers/*.py."""
+    """worker.settings.Settings and every ``*Settings`` class of worker/brokers/*.py and of
+    the adapter packages worker/brokers/*/ (defined in the package or one of its modules)."""
     from worker.settings import Settings
 
     classes: list[type[BaseSettings]] = [Settings]
-    for path in sorted((REPO / "worker" / "brokers").glob("*.py")):
+    brokers = REPO / "worker" / "brokers"
+    paths = [*brokers.glob("*.py"), *(p.parent for p in brokers.glob("*/__init__.py"))]
+    for path in sorted(paths):
         if path.stem == "__init__":
             continue
         module = importlib.import_module(f"worker.brokers.{path.stem}")
@@ -165,7 +168,7 @@ def settings_classes() -> list[type[BaseSettings]]:
             if (
                 name.endswith("Settings")
                 and issubclass(value, BaseSettings)
-                and value.__module__ == module.__name__
+                and (value.__module__ + ".").startswith(module.__name__ + ".")
             ):
                 classes.append(value)
     return classes

@@ -207,7 +207,7 @@ def test_the_engine_opens_what_the_budget_counts() -> None:
 
 
 def test_every_kafka_group_member_can_own_a_partition() -> None:
-    """An idle member is ready (worker/brokers/kafka.py), so nothing hangs; still, a pod
+    """An idle member is ready (worker/brokers/kafka/consumer.py), so nothing hangs; still, a pod
     beyond the partition count only idles: minReplicaCount <= maxReplicaCount + maxSurge
     <= partitions, and no surge on Kafka (it buys nothing but one more rebalance).
     """
@@ -498,9 +498,9 @@ def test_the_image_build_installs_from_a_lock_that_pins_every_dependency() -> No
         assert requirement.specifier.contains(pins[name], prereleases=True), (spec, pins[name])
     # the pins are closed: what a pinned distribution needs is pinned too (checked with
     # the metadata of the distributions installed here)
-    for name in pins:
+    for pinned in pins:
         try:
-            requires = metadata.requires(name) or []
+            requires = metadata.requires(pinned) or []
         except metadata.PackageNotFoundError:
             continue
         for spec in requires:
@@ -509,4 +509,4 @@ def test_the_image_build_installs_from_a_lock_that_pins_every_dependency() -> No
                 {"extra": "", "python_version": "3.12", "python_full_version": "3.12.0"}
             ):
                 continue
-            assert canonicalize_name(requirement.name) in pins, f"{name} needs {spec}"
+            assert canonicalize_name(requirement.name) in pins, f"{pinned} needs {spec}"

@@ -11,13 +11,15 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tests.kafka.kafka_helpers import create_topic, header, read_all, settings_for, unique
-from tests.outbox.outbox_helpers import fast_outbox, outbox_rows, publish_rows
+from tests.outbox.outbox_helpers import RunningRelays, fast_outbox, outbox_rows, publish_rows
 from tests.servicebus.fake import FakeServiceBus
 from tests.servicebus.sb_settings import sb_settings
+from tests.support.pumps import MakeSettings, RunPumps
+from tests.support.rabbitmq import MakeRabbitSettings
 from tests.support.tansu import Tansu
 from worker import outbox
-from worker.brokers.kafka import header_message_id
-from worker.brokers.publishers import KafkaPublisher, ServiceBusPublisher
+from worker.brokers.kafka import KafkaPublisher, header_message_id
+from worker.brokers.servicebus import ServiceBusPublisher
 from worker.outbox import Relay
 
 
@@ -38,7 +40,7 @@ async def test_kafka_records_carry_the_id_and_keep_key_order(
     finally:
         await publisher.close()
     records, _ = await read_all(tansu.bootstrap, topic, 3)
-    assert sorted(header(r, "message-id") for r in records) == sorted(ids)
+    assert sorted((header(r, "message-id") for r in records), key=str) == sorted(ids)
     identity = header_message_id(kafka.message_id_header)  # what a consuming worker dedups by
     keys = {header(r, "message-id"): identity(r) for r in records}
     assert len(set(keys.values())) == 40 and all(i in str(keys[i]) for i in ids)
@@ -146,12 +148,15 @@ class Proxy:
 @pytest.mark.postgres
 @pytest.mark.slow
 async def test_a_30_second_rabbitmq_outage_spends_no_attempt_and_the_backlog_drains(
-    rabbit_settings: Any, postgres_only_url: str, amqp_url: str, running_relays: Any
+    rabbit_settings: MakeRabbitSettings,
+    postgres_only_url: str,
+    amqp_url: str,
+    running_relays: RunningRelays,
 ) -> None:
     from tests.rabbitmq.rabbit_helpers import credit_registry, running
     from tests.support.processes import free_port
     from tests.support.waiting import wait_for
-    from worker.brokers.publishers import RabbitMQPublisher
+    from worker.brokers.rabbitmq import RabbitMQPublisher
     from worker.db import create_engine
 
     b = rabbit_settings()
@@ -205,7 +210,7 @@ class ForgetsOnce(Relay):
 
 @pytest.mark.kafka
 async def test_kafka_copies_of_a_republished_row_are_applied_once_downstream(
-    engine: AsyncEngine, tansu: Tansu, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, tansu: Tansu, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     from decimal import Decimal
 

@@ -7,20 +7,20 @@ import json
 import random
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import pytest
 from pydantic import BaseModel
 from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tests.outbox.outbox_helpers import RecordingPublisher, fast_outbox, outbox_rows
+from tests.outbox.outbox_helpers import RecordingPublisher, RunningRelays, fast_outbox, outbox_rows
 from tests.support.processes import clean_env, run_cli
+from tests.support.pumps import MakeSettings, RunPumps
 from tests.support.waiting import wait_for
 from worker import outbox
-from worker.brokers.memory import MemoryBroker
-from worker.brokers.publishers import MemoryPublisher
+from worker.brokers.memory import MemoryBroker, MemoryPublisher
 from worker.db import create_engine
 from worker.outbox import OutboxMessage, Relay
 from worker.registry import Context, Registry
@@ -43,7 +43,10 @@ def item_registry(events_per_message: int = 1) -> Registry:
 
 
 async def produce(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any, items: list[tuple[str, int]]
+    engine: AsyncEngine,
+    make_settings: MakeSettings,
+    run_pumps: RunPumps,
+    items: list[tuple[str, int]],
 ) -> None:
     """Run a pump over ``items`` so each adds its outbox rows, then stop it."""
     broker = MemoryBroker()
@@ -55,7 +58,10 @@ async def produce(
 
 
 async def test_the_relay_publishes_and_marks_sent(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any, publisher: RecordingPublisher
+    engine: AsyncEngine,
+    make_settings: MakeSettings,
+    run_pumps: RunPumps,
+    publisher: RecordingPublisher,
 ) -> None:
     await produce(engine, make_settings, run_pumps, [("a", n) for n in range(25)])
     relay = Relay(engine, publisher, fast_outbox(batch=10))
@@ -68,7 +74,10 @@ async def test_the_relay_publishes_and_marks_sent(
 
 
 async def test_delete_sent_removes_confirmed_rows(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any, publisher: RecordingPublisher
+    engine: AsyncEngine,
+    make_settings: MakeSettings,
+    run_pumps: RunPumps,
+    publisher: RecordingPublisher,
 ) -> None:
     await produce(engine, make_settings, run_pumps, [("a", n) for n in range(5)])
     assert await Relay(engine, publisher, fast_outbox(delete_sent=True)).drain() == 5
@@ -76,13 +85,20 @@ async def test_delete_sent_removes_confirmed_rows(
 
 
 async def test_a_commit_wakes_the_relay_before_its_poll(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any, running_relays: Any
+    engine: AsyncEngine,
+    make_settings: MakeSettings,
+    run_pumps: RunPumps,
+    running_relays: RunningRelays,
 ) -> None:
     """With a 30 s poll, only the in-process wake-up can get an event out in time."""
     events = MemoryBroker()
     relay = Relay(engine, MemoryPublisher(events), fast_outbox(poll_interval=30.0))
     broker = MemoryBroker()
-    latencies = []
+    latencies: list[float] = []
+
+    def woken(count: int) -> Callable[[], bool]:
+        return lambda: len(events.ready) > count
+
     async with (
         running_relays([relay]),
         run_pumps([broker.connect()], [engine], item_registry(), make_settings()),
@@ -91,7 +107,7 @@ async def test_a_commit_wakes_the_relay_before_its_poll(
         for n in range(20):
             started = time.perf_counter()
             broker.publish(f"w-{n}", "Item", {"key": "k", "n": n})
-            await wait_for(lambda n=n: len(events.ready) > n, 5, "the woken relay", step=0.001)
+            await wait_for(woken(n), 5, "the woken relay", step=0.001)
             latencies.append(time.perf_counter() - started)
     latencies.sort()
     p50, p95 = latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.95) - 1]
@@ -102,8 +118,8 @@ async def test_a_commit_wakes_the_relay_before_its_poll(
 async def test_a_refused_row_is_parked_then_retried_by_the_cli(
     engine: AsyncEngine,
     database_url: str,
-    make_settings: Any,
-    run_pumps: Any,
+    make_settings: MakeSettings,
+    run_pumps: RunPumps,
     publisher: RecordingPublisher,
 ) -> None:
     await produce(engine, make_settings, run_pumps, [("a", 1), ("b", 2)])
@@ -134,7 +150,10 @@ async def test_a_refused_row_is_parked_then_retried_by_the_cli(
 
 
 async def test_an_unreachable_broker_spends_no_attempt(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any, publisher: RecordingPublisher
+    engine: AsyncEngine,
+    make_settings: MakeSettings,
+    run_pumps: RunPumps,
+    publisher: RecordingPublisher,
 ) -> None:
     await produce(engine, make_settings, run_pumps, [("a", n) for n in range(6)])
     publisher.unreachable = 20
@@ -153,7 +172,10 @@ async def test_an_unreachable_broker_spends_no_attempt(
 
 
 async def test_an_expired_lease_is_taken_over_with_the_same_id(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any, publisher: RecordingPublisher
+    engine: AsyncEngine,
+    make_settings: MakeSettings,
+    run_pumps: RunPumps,
+    publisher: RecordingPublisher,
 ) -> None:
     """A relay that claimed and vanished: its rows go out again once the lease is over."""
     await produce(engine, make_settings, run_pumps, [("a", 1)])
@@ -169,7 +191,10 @@ async def test_an_expired_lease_is_taken_over_with_the_same_id(
 
 
 async def test_keyed_rows_go_out_in_order_across_three_relays(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any, running_relays: Any
+    engine: AsyncEngine,
+    make_settings: MakeSettings,
+    run_pumps: RunPumps,
+    running_relays: RunningRelays,
 ) -> None:
     rng = random.Random(3)
     items = [(f"key-{rng.randrange(4)}", n) for n in range(60)]
@@ -192,7 +217,10 @@ async def test_keyed_rows_go_out_in_order_across_three_relays(
 
 @pytest.mark.postgres
 async def test_three_relays_on_postgres_publish_each_row_once(
-    postgres_only_url: str, make_settings: Any, run_pumps: Any, running_relays: Any
+    postgres_only_url: str,
+    make_settings: MakeSettings,
+    run_pumps: RunPumps,
+    running_relays: RunningRelays,
 ) -> None:
     """SKIP LOCKED claims: in normal operation no row is published twice, or twice at once."""
     engines = [create_engine(postgres_only_url, pool_size=4) for _ in range(3)]
@@ -219,7 +247,10 @@ async def test_three_relays_on_postgres_publish_each_row_once(
 
 
 async def test_sent_rows_are_purged_after_the_retention_in_batches(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any, publisher: RecordingPublisher
+    engine: AsyncEngine,
+    make_settings: MakeSettings,
+    run_pumps: RunPumps,
+    publisher: RecordingPublisher,
 ) -> None:
     await produce(engine, make_settings, run_pumps, [("a", n) for n in range(30)])
     settings = fast_outbox(retention=timedelta(hours=1), purge_batch=7)

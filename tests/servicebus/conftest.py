@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tests.servicebus.fake import FakeServiceBus
+from tests.servicebus.fake import Entity, FakeServiceBus
 from tests.servicebus.sb_settings import sb_settings
 from worker.brokers.servicebus import ServiceBusConsumer
 
@@ -15,6 +15,12 @@ from worker.brokers.servicebus import ServiceBusConsumer
 @pytest.fixture
 def bus() -> FakeServiceBus:
     return FakeServiceBus()
+
+
+@pytest.fixture
+def queue(bus: FakeServiceBus) -> Entity:
+    """The queue ``sb_settings()`` consumes, with a lock short enough to watch renewals."""
+    return bus.create_queue("work", lock_duration=5.0)
 
 
 @pytest.fixture

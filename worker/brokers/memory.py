@@ -17,6 +17,7 @@ ways real brokers do:
 
 Deliveries are pushed to consumers round-robin, at most ``prefetch`` unsettled each.
 ``ack_many`` (batch mode) acks several in one call, each recorded as its own ack.
+:class:`MemoryPublisher` is the outbox relay's way in, inside ``worker run``.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from worker.brokers import IdentityFunc, load_identity
+from worker.brokers.publishers import Outgoing
 from worker.delivery import Delivery
 from worker.errors import ConfigurationError, SettlementLost
 
@@ -53,15 +55,28 @@ class DeadLetter:
 
 
 class _Flight:
-    """A message handed to a consumer and not yet settled: the settlement handle."""
+    """A message handed to a consumer and not yet settled: the settlement handle.
 
-    __slots__ = ("consumer", "live", "message", "timer")
+    It carries the delivery made of it: the consumer's inbox holds flights, so what was
+    pushed but never taken goes back through the consumer's own handle.
+    """
+
+    __slots__ = ("consumer", "delivery", "live", "message", "timer")
 
     def __init__(self, message: MemoryMessage, consumer: MemoryConsumer) -> None:
         self.message = message
         self.consumer = consumer
         self.live = True
         self.timer: asyncio.TimerHandle | None = None
+        self.delivery = Delivery(
+            consumer.broker.identity(message),
+            message.type,
+            message.body,
+            message.headers,
+            message.delivery_count,
+            consumer,
+            self,
+        )
 
 
 def default_message_id(message: MemoryMessage) -> str | None:
@@ -70,7 +85,13 @@ def default_message_id(message: MemoryMessage) -> str | None:
 
 
 class MemoryBroker:
-    """The queue itself, shared by any number of consumers in one process."""
+    """The queue itself, shared by any number of consumers in one process.
+
+    ``stats`` tallies the queue's events (``published``, ``delivered``,
+    ``redelivered``, ``acked``, ``acks_lost``, ``ack_many``, ``nacked``,
+    ``nacked_uncounted``, ``dead_lettered``, ``lock_expired``); each consumer keeps
+    its own share of them (all but ``published``) in its own ``stats``.
+    """
 
     def __init__(
         self,
@@ -78,7 +99,10 @@ class MemoryBroker:
         visibility_timeout: float | None = None,
         redelivery_delay: float = 0.0,
         identity: IdentityFunc = default_message_id,
+        queue: str = "memory",
     ) -> None:
+        self.queue = queue
+        """The queue's name: its consumers' ``destination``."""
         self.visibility_timeout = visibility_timeout
         self.redelivery_delay = redelivery_delay
         self.identity = identity
@@ -171,13 +195,18 @@ class MemoryBroker:
         message.delivery_count += 1
         flight = _Flight(message, consumer)
         self._in_flight += 1
-        self.stats["delivered"] += 1
+        self._count(consumer, "delivered")
         if message.delivery_count > 1:
-            self.stats["redelivered"] += 1
+            self._count(consumer, "redelivered")
         if self.visibility_timeout is not None:
             loop = asyncio.get_running_loop()
             flight.timer = loop.call_later(self.visibility_timeout, self._expire, flight)
         consumer.accept(flight)
+
+    def _count(self, consumer: MemoryConsumer, event: str) -> None:
+        """One event, in the queue's tallies and in the consumer's own."""
+        self.stats[event] += 1
+        consumer.stats[event] += 1
 
     def _end(self, flight: _Flight) -> None:
         if not flight.live:
@@ -191,7 +220,7 @@ class MemoryBroker:
 
     def _expire(self, flight: _Flight) -> None:
         if flight.live:
-            self.stats["lock_expired"] += 1
+            self._count(flight.consumer, "lock_expired")
             self._end(flight)
             self._requeue(flight.message, 0.0)
 
@@ -225,10 +254,13 @@ class MemoryConsumer:
 
     def __init__(self, broker: MemoryBroker) -> None:
         self.broker = broker
+        self.destination = broker.queue
+        self.stats: Counter[str] = Counter()
+        """This consumer's share of the broker's tallies (see :class:`MemoryBroker`)."""
         self.unsettled: set[_Flight] = set()
         self.consuming = False
         self._prefetch = 0
-        self._inbox: asyncio.Queue[Delivery] = asyncio.Queue()
+        self._inbox: asyncio.Queue[_Flight] = asyncio.Queue()
 
     @property
     def ready(self) -> bool:
@@ -244,13 +276,13 @@ class MemoryConsumer:
         self.broker._dispatch()
 
     async def receive(self) -> Delivery:
-        return await self._inbox.get()
+        return (await self._inbox.get()).delivery
 
     async def stop_receiving(self) -> None:
         """Stop new pushes; what was pushed but not yet taken goes back, uncounted."""
         self.consuming = False
         while not self._inbox.empty():
-            flight: _Flight = self._inbox.get_nowait()._handle
+            flight = self._inbox.get_nowait()
             self.broker._end(flight)
             flight.message.delivery_count -= 1
             self.broker._requeue(flight.message, 0.0)
@@ -269,18 +301,7 @@ class MemoryConsumer:
 
     def accept(self, flight: _Flight) -> None:
         self.unsettled.add(flight)
-        message = flight.message
-        self._inbox.put_nowait(
-            Delivery(
-                self.broker.identity(message),
-                message.type,
-                message.body,
-                message.headers,
-                message.delivery_count,
-                self,
-                flight,
-            )
-        )
+        self._inbox.put_nowait(flight)
 
     # -- Settler ----------------------------------------------------------------
 
@@ -290,15 +311,15 @@ class MemoryConsumer:
         broker.history.append(("ack", handle.message.message_id, handle.message.delivery_count))
         if handle.message.lose_acks > 0:
             handle.message.lose_acks -= 1
-            broker.stats["acks_lost"] += 1
+            broker._count(self, "acks_lost")
             broker._requeue(handle.message, broker.visibility_timeout or 0.0)
         else:
-            broker.stats["acked"] += 1
+            broker._count(self, "acked")
         broker._dispatch()
 
     async def ack_many(self, handles: Sequence[_Flight]) -> list[_Flight]:
         """One call for a batch's acks; returns the ones lost (their lock had expired)."""
-        self.broker.stats["ack_many"] += 1
+        self.broker._count(self, "ack_many")
         lost = []
         for handle in handles:
             try:
@@ -311,10 +332,10 @@ class MemoryConsumer:
         broker = self.broker
         broker._end(handle)
         broker.history.append(("nack", handle.message.message_id, handle.message.delivery_count))
-        broker.stats["nacked"] += 1
+        broker._count(self, "nacked")
         if not counted:  # the next hand-over adds one back: the count stays where it is
             handle.message.delivery_count -= 1
-            broker.stats["nacked_uncounted"] += 1
+            broker._count(self, "nacked_uncounted")
         broker._requeue(handle.message, broker.redelivery_delay if delay is None else delay)
         broker._dispatch()
 
@@ -324,14 +345,46 @@ class MemoryConsumer:
         broker.history.append(
             ("dead-letter", handle.message.message_id, handle.message.delivery_count)
         )
-        broker.stats["dead_lettered"] += 1
+        broker._count(self, "dead_lettered")
         broker.dead_letters.append(DeadLetter(handle.message, reason))
         broker._dispatch()
+
+
+class MemoryPublisher:
+    """Into in-process :class:`~worker.brokers.memory.MemoryBroker` queues."""
+
+    name = "memory"
+
+    def __init__(
+        self, default: MemoryBroker, routes: Mapping[str, MemoryBroker] | None = None
+    ) -> None:
+        self.default = default
+        self.routes = dict(routes or {})
+
+    async def publish(self, messages: Sequence[Outgoing]) -> list[str | None]:
+        results: list[str | None] = []
+        for message in messages:
+            target = self.default if message.destination is None else None
+            target = target or self.routes.get(message.destination or "")
+            if target is None:
+                results.append(f"no such destination {message.destination!r}")
+                continue
+            target.publish(message.message_id, message.type, message.body, message.headers)
+            results.append(None)
+        return results
+
+    async def close(self) -> None:
+        return None
 
 
 def open_broker(settings: Settings) -> MemoryConsumer:
     """``worker run`` with the memory broker: an empty queue that only this process sees."""
     return MemoryBroker.from_settings(settings).connect()
+
+
+def open_publisher(consumer: MemoryConsumer) -> MemoryPublisher:
+    """The outbox relay's publisher inside ``worker run``: into the pump's own queue."""
+    return MemoryPublisher(consumer.broker)
 
 
 def open_admin(settings: Settings) -> NoReturn:

@@ -1,6 +1,8 @@
-"""Kafka (aiokafka): a consumer-group member that commits offsets instead of acking.
+"""The consumer: :class:`KafkaBroker`, a group member that commits offsets instead of acking.
 
-Kafka has no per-message settlement, so the verbs map onto offsets:
+It is what the pump receives deliveries from and settles them through, and holds
+everything that happens while records flow: fetching, handing out, commits,
+rebalances, the watchdog. Kafka has no per-message settlement, so the verbs map onto offsets:
 
 - ``ack``: the record is settled. Records of one partition are handed out one
   at a time, so the settled records always form a contiguous prefix and the
@@ -27,7 +29,7 @@ A settlement of a record whose partition was revoked raises
 :class:`~worker.errors.SettlementLost`: the new owner gets the record again and
 the inbox absorbs whatever this process already committed to the database.
 
-``WORKER_KAFKA_OFFSETS=database`` (:mod:`worker.brokers.kafka_offsets`): a newly
+``WORKER_KAFKA_OFFSETS=database`` (:mod:`worker.brokers.kafka.offsets`): a newly
 assigned partition is claimed (its row's epoch + 1) and sought to the stored
 offset before any record is handed out; each delivery's ``in_transaction``
 writes the offset past it in the handler's own commit, guarded by the epoch, so
@@ -39,21 +41,18 @@ that many contiguous records of a partition out at once) stays in one partition.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import socket
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
-from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from aiokafka import (  # type: ignore[import-untyped]
     AIOKafkaConsumer,
     AIOKafkaProducer,
     ConsumerRebalanceListener,
-    TopicPartition,
 )
 from aiokafka.errors import (  # type: ignore[import-untyped]
     ClusterAuthorizationFailedError,
@@ -61,7 +60,6 @@ from aiokafka.errors import (  # type: ignore[import-untyped]
     InvalidMessageError,
     InvalidTimestampError,
     InvalidTopicError,
-    KafkaConnectionError,
     KafkaError,
     MessageSizeTooLargeError,
     PolicyViolationError,
@@ -70,43 +68,38 @@ from aiokafka.errors import (  # type: ignore[import-untyped]
     TopicAuthorizationFailedError,
     UnsupportedForMessageFormatError,
 )
-from aiokafka.helpers import create_ssl_context  # type: ignore[import-untyped]
-from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy import event
 
-from worker.brokers import (
-    DEFAULT_SCAN,
-    DeadLetterFilter,
-    DeadLetterInfo,
-    IdentityFunc,
-    OutgoingMessage,
-    kafka_offsets,
-    load_identity,
+from worker.brokers import load_identity
+from worker.brokers.kafka import offsets as kafka_offsets
+from worker.brokers.kafka.offsets import Fenced
+from worker.brokers.kafka.partitions import Handle, Partition
+from worker.brokers.kafka.records import (
+    DLT_DELIVERY_COUNT,
+    DLT_DROPPED,
+    DLT_MESSAGE_ID,
+    DLT_OFFSET,
+    DLT_ORIGINAL_SIZE,
+    DLT_PARTITION,
+    DLT_PREFIX,
+    DLT_REASON,
+    DLT_TOPIC,
+    header_message_id,
+    record_headers,
 )
-from worker.brokers.kafka_offsets import Fenced
+from worker.brokers.kafka.settings import FETCH_WAIT_MS, start_error
 from worker.delivery import Delivery
-from worker.errors import BrokerUnavailable, ConfigurationError, SettlementLost
+from worker.errors import BrokerUnavailable, SettlementLost
 from worker.logs import get_logger
-from worker.settings import load
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
     from sqlalchemy.orm import Session
 
+    from worker.brokers.kafka.settings import KafkaSettings
     from worker.settings import Settings
 
-DLT_TOPIC = "dlt-original-topic"
-DLT_PARTITION = "dlt-original-partition"
-DLT_OFFSET = "dlt-original-offset"
-DLT_REASON = "dlt-reason"
-DLT_MESSAGE_ID = "dlt-message-id"
-DLT_DELIVERY_COUNT = "dlt-delivery-count"
-DLT_DROPPED = "dlt-dropped"
-DLT_ORIGINAL_SIZE = "dlt-original-size"
-_DLT_PREFIX = "dlt-"
 _MAX_REASON = 2000
-_FETCH_WAIT_MS = 200
 _REDUCED_KEY_MAX = 1024  # a reduced dead letter keeps the original key up to this size
 # WORKER_DELIVERY_COUNTS=database: offsets recorded as "may be started" a block ahead of
 # what is handed out (one write per block); after a crash, the next owner counts the
@@ -133,400 +126,6 @@ _UNSENDABLE: tuple[type[Exception], ...] = (
 )
 
 
-class KafkaSettings(BaseSettings):
-    """``WORKER_KAFKA_*``: where to consume from and how the records are read."""
-
-    model_config = SettingsConfigDict(env_prefix="WORKER_KAFKA_", extra="ignore")
-
-    bootstrap_servers: str = Field("localhost:9092", description="Comma-separated host:port.")
-    topics: str = Field("work", description="Comma-separated; `worker publish` uses the first.")
-    group_id: str = Field("worker", min_length=1, description="The consumer group of the replicas.")
-    client_id: str = "worker"
-    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
-    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = "PLAIN"
-    sasl_username: str | None = None
-    sasl_password: SecretStr | None = None
-    ssl_cafile: str | None = Field(None, description="CA bundle of the brokers' certificates.")
-    ssl_certfile: str | None = Field(None, description="Client certificate (mutual TLS).")
-    ssl_keyfile: str | None = Field(None, description="Client private key (mutual TLS).")
-    ssl_password: SecretStr | None = Field(None, description="Password of the client key.")
-    message_id_header: str = Field("message-id", min_length=1, description="Dedup key header.")
-    type_header: str = Field("type", min_length=1, description="Message type header.")
-    topic_types: dict[str, str] = Field(
-        default_factory=dict, description='JSON {"topic": "MessageType"} for records without one.'
-    )
-    dead_letter_suffix: str = Field(".DLT", min_length=1, description="Dead-letter topic suffix.")
-    commit_interval: float = Field(1.0, gt=0, description="Seconds between offset commits.")
-    commit_timeout: float = Field(
-        10.0, gt=0, description="Seconds a commit or a client stop may take (broker away)."
-    )
-    session_timeout_ms: int = Field(45_000, ge=1000)
-    heartbeat_interval_ms: int = Field(3_000, ge=100)
-    max_poll_interval_ms: int = Field(300_000, ge=1000)
-    rebalance_grace: float = Field(
-        10.0, ge=0, description="Seconds in-flight records of revoked partitions get to settle."
-    )
-    redelivery_delay: float = Field(1.0, ge=0, description="First backoff of a nacked record.")
-    redelivery_delay_max: float = Field(30.0, ge=0, description="Cap of that doubling backoff.")
-    auto_offset_reset: Literal["earliest", "latest"] = Field(
-        "earliest", description="Where a group without a committed offset starts."
-    )
-    max_buffered: int = Field(500, ge=1, description="Fetched records buffered per partition.")
-    max_buffered_bytes: int = Field(
-        8 * 1024 * 1024, ge=1, description="Bytes of fetched records buffered per partition."
-    )
-    max_partition_fetch_bytes: int = Field(
-        1024 * 1024, ge=1024, description="Bytes one fetch asks for per partition."
-    )
-    fetch_max_bytes: int = Field(
-        50 * 1024 * 1024, ge=1024, description="Bytes one fetch asks for in all."
-    )
-    idempotent_producer: bool = Field(True, description="Idempotent dead-letter producer.")
-    offsets: Literal["broker", "database"] = Field(
-        "broker",
-        description="broker: offsets committed to Kafka; database: stored in the handler's "
-        "transaction (consumer_offsets), Kafka commits only for lag monitoring.",
-    )
-    ordering: Literal["partition", "key"] = Field(
-        "partition",
-        description="partition: one record per partition at a time; key: one per key.",
-    )
-    max_request_size: int = Field(
-        1_048_576, ge=1024, description="Largest request the dead-letter producer sends, bytes."
-    )
-    watchdog_margin: float = Field(
-        30.0,
-        ge=0,
-        description="Seconds past WORKER_HANDLER_TIMEOUT + WORKER_RETRY_BUDGET before a "
-        "record in a handler counts as hung.",
-    )
-
-    @property
-    def topic_list(self) -> list[str]:
-        return [name.strip() for name in self.topics.split(",") if name.strip()]
-
-    def dead_letter_topic(self, topic: str) -> str:
-        return f"{topic}{self.dead_letter_suffix}"
-
-    def client_options(self) -> dict[str, Any]:
-        """Connection and security options shared by consumers and producers."""
-        options: dict[str, Any] = {
-            "bootstrap_servers": self.bootstrap_servers,
-            "client_id": self.client_id,
-            "security_protocol": self.security_protocol,
-        }
-        if self.security_protocol.startswith("SASL"):
-            options["sasl_mechanism"] = self.sasl_mechanism
-            options["sasl_plain_username"] = self.sasl_username
-            options["sasl_plain_password"] = (
-                self.sasl_password.get_secret_value() if self.sasl_password else None
-            )
-        if self.security_protocol.endswith("SSL"):
-            options["ssl_context"] = create_ssl_context(
-                cafile=self.ssl_cafile,
-                certfile=self.ssl_certfile,
-                keyfile=self.ssl_keyfile,
-                password=self.ssl_password.get_secret_value() if self.ssl_password else None,
-            )
-        return options
-
-
-def load_kafka_settings() -> KafkaSettings:
-    """Load and cross-check ``WORKER_KAFKA_*``; every problem is one line."""
-    kafka = load(KafkaSettings)
-    topics = kafka.topic_list
-    if not topics:
-        raise ConfigurationError("WORKER_KAFKA_TOPICS: name at least one topic")
-    if any(topic.endswith(kafka.dead_letter_suffix) for topic in topics):
-        raise ConfigurationError("WORKER_KAFKA_TOPICS: a dead-letter topic cannot be consumed")
-    if kafka.security_protocol.startswith("SASL") and not (
-        kafka.sasl_username and kafka.sasl_password
-    ):
-        raise ConfigurationError(
-            "WORKER_KAFKA_SASL_USERNAME and WORKER_KAFKA_SASL_PASSWORD are required with "
-            f"WORKER_KAFKA_SECURITY_PROTOCOL={kafka.security_protocol}"
-        )
-    if bool(kafka.ssl_certfile) != bool(kafka.ssl_keyfile):
-        raise ConfigurationError(
-            "WORKER_KAFKA_SSL_CERTFILE and WORKER_KAFKA_SSL_KEYFILE go together"
-        )
-    if kafka.heartbeat_interval_ms * 3 > kafka.session_timeout_ms:
-        raise ConfigurationError(
-            "WORKER_KAFKA_HEARTBEAT_INTERVAL_MS must be at most a third of "
-            "WORKER_KAFKA_SESSION_TIMEOUT_MS"
-        )
-    try:
-        kafka.client_options()  # opens the certificate files: fail at start, not at connect
-    except (OSError, ValueError) as exc:
-        raise ConfigurationError(f"WORKER_KAFKA_SSL_*: {exc}") from None
-    return kafka
-
-
-async def start_producer(kafka: KafkaSettings) -> Any:
-    """A started ``acks=all`` producer (idempotent unless switched off), or a one-line error."""
-    producer = AIOKafkaProducer(
-        acks="all", enable_idempotence=kafka.idempotent_producer, **kafka.client_options()
-    )
-    try:
-        await producer.start()
-    except KafkaError as exc:
-        await producer.stop()
-        raise _start_error(kafka, exc) from None
-    return producer
-
-
-def _start_error(kafka: KafkaSettings, exc: Exception) -> Exception:
-    """What a failed producer start means: the brokers are away, or refuse the producer mode.
-
-    Past the bootstrap, a producer start fails only in InitProducerId, which the
-    idempotent producer needs and some brokers (old ones, some Kafka-compatible
-    ones, a principal without IDEMPOTENT_WRITE) refuse, with errors as vague as
-    ``UnknownError``: name the setting that avoids it.
-    """
-    where = f"kafka at {kafka.bootstrap_servers}"
-    if kafka.idempotent_producer and not isinstance(exc, KafkaConnectionError):
-        return ConfigurationError(
-            f"{where} refused the idempotent producer ({type(exc).__name__}: {exc}); the broker "
-            "may not support it or not allow it (IDEMPOTENT_WRITE): set "
-            "WORKER_KAFKA_IDEMPOTENT_PRODUCER=false to use a plain producer (acks=all)"
-        )
-    return BrokerUnavailable(f"{where}: {exc}")
-
-
-# -- reading records -------------------------------------------------------------
-
-
-def _text(raw: bytes | None) -> str | None:
-    """A header value as text; empty or undecodable is no value at all."""
-    if not raw:
-        return None
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-
-
-def _headers(record: Any) -> dict[str, bytes]:
-    return {key: value for key, value in record.headers or () if value is not None}
-
-
-def cloud_event_key(source: str, event_id: str) -> str:
-    """The dedup key of a CloudEvent, the same string on every broker: ``["source","id"]``.
-
-    The RabbitMQ adapter builds it the same way, so an event bridged through both
-    brokers has one key, and JSON keeps any pair of strings unambiguous.
-    """
-    return json.dumps([source, event_id], separators=(",", ":"))
-
-
-def header_message_id(header: str) -> IdentityFunc:
-    """The default dedup key: CloudEvents source + id, else ``header``, else the offset.
-
-    A CloudEvent is identified by its source and id wherever it travels, so they
-    come first, as on RabbitMQ. Either survives a producer retry: the retry writes
-    a second record at a new offset, so the offset fallback would give the two
-    copies two different keys. A header that is present but empty or not UTF-8,
-    or half a CloudEvents pair without the header, is no usable id (the pump
-    dead-letters it).
-    """
-
-    def identity(record: Any) -> str | None:
-        headers = _headers(record)
-        ce_id, ce_source = headers.get("ce_id"), headers.get("ce_source")
-        event_id, source = _text(ce_id), _text(ce_source)
-        if event_id and source:
-            return cloud_event_key(source, event_id)
-        if header in headers:
-            return _text(headers[header])
-        if ce_id is not None or ce_source is not None:
-            return None  # half a CloudEvents pair identifies nothing
-        return f"{record.topic}/{record.partition}/{record.offset}"
-
-    return identity
-
-
-class _Partition:
-    """What this member knows about one partition it owns, for one assignment."""
-
-    __slots__ = (
-        "batch",
-        "busy",
-        "bytes",
-        "claimed",
-        "committed",
-        "done",
-        "generation",
-        "handed",
-        "idle",
-        "inflight",
-        "keyed",
-        "keys",
-        "not_before",
-        "owned",
-        "records",
-        "refetch",
-        "reserved",
-        "reserving",
-        "rewind",
-        "rewind_to",
-        "settled",
-        "slot",
-        "span",
-        "stored",
-        "suspect_through",
-        "tp",
-        "window",
-        "windowed",
-    )
-
-    def __init__(
-        self, tp: Any, generation: int, keyed: bool = False, span: int = 500, batch: int = 1
-    ) -> None:
-        self.tp = tp
-        self.generation = generation  # of the group, when this member got the partition
-        self.records: deque[Any] = deque()  # fetched, not handed out (again) yet
-        self.bytes = 0  # the size of what ``records`` holds
-        self.owned = True
-        self.inflight = 0  # records handed out and not settled yet
-        self.busy = False  # inflight > 0
-        self.idle = asyncio.Event()
-        self.idle.set()
-        self.rewind: asyncio.TimerHandle | None = None  # nacked: waiting to seek back
-        self.settled: int | None = None  # the next offset to commit
-        self.committed: int | None = None  # what this member last committed
-        # WORKER_KAFKA_ORDERING=key: one record per key in flight, several per partition.
-        self.keyed = keyed
-        self.window: deque[int] = deque()  # offsets fetched and not committable yet, in order
-        self.done: set[int] = set()  # settled offsets inside the window
-        self.keys: dict[bytes | None, int] = {}  # key -> the offset that holds it
-        self.not_before: dict[int, float] = {}  # nacked offset -> when it may go again
-        self.span = span  # records handed out lie within this many of the commit point
-        # Partition order with batches: up to ``batch`` contiguous records out at once.
-        self.batch = 1 if keyed else max(1, batch)
-        self.windowed = keyed or self.batch > 1  # several out: track the settled prefix
-        self.rewind_to: int | None = None  # the offset the pending rewind seeks to
-        # Database offsets and counts (worker.brokers.kafka_offsets): the partition's row
-        # as this member claimed it; nothing is handed out before the claim.
-        self.claimed = True
-        self.refetch: int | None = None  # fetched before the claim, dropped: read it again
-        self.slot: kafka_offsets.Slot | None = None
-        self.stored: int | None = None  # the offset this member last stored
-        self.suspect_through = -1  # offsets up to here may have been started before
-        self.reserved = -1  # offsets up to here are recorded as possibly started
-        self.reserving = False
-        self.handed = -1  # the highest offset handed out
-
-    @property
-    def size(self) -> int:
-        """Records counted against ``max_buffered``: key mode counts the whole window."""
-        return len(self.window) if self.keyed else len(self.records)
-
-    @property
-    def label(self) -> str:
-        return f"{self.tp.topic}/{self.tp.partition}"
-
-    def push(self, records: Iterable[Any]) -> None:
-        for record in records:
-            self.records.append(record)
-            self.bytes += _size(record)
-            if self.windowed:
-                self.window.append(record.offset)
-
-    def pop(self) -> Any:
-        record = self.records.popleft()
-        self.bytes -= _size(record)
-        return record
-
-    def drop(self) -> None:
-        self.records.clear()
-        self.bytes = 0
-        self.window.clear()
-        self.done.clear()
-        self.keys.clear()
-        self.not_before.clear()
-
-    # -- key mode --
-
-    def next_index(self, now: float) -> int | None:
-        """The first buffered record whose key is free (or its own) and not backing off.
-
-        Scanning in offset order keeps each key's records in order: a later record
-        of a key never passes an earlier one, which holds the key or comes first.
-        Only the first ``span`` records of the window are candidates: behind a slow
-        key, what runs ahead of the commit point (and would run again after a
-        crash) stays bounded, whatever one fetch brought.
-        """
-        last = self.window[self.span - 1] if len(self.window) > self.span else None
-        for index, record in enumerate(self.records):
-            if last is not None and record.offset > last:
-                return None
-            holder = self.keys.get(record.key)
-            if holder is not None and holder != record.offset:
-                continue
-            if self.not_before.get(record.offset, 0.0) > now:
-                continue
-            return index
-        return None
-
-    def take(self, index: int) -> Any:
-        record = self.records[index]
-        del self.records[index]
-        self.bytes -= _size(record)
-        self.keys[record.key] = record.offset
-        self.not_before.pop(record.offset, None)
-        return record
-
-    def put_back(self, record: Any, due: float) -> None:
-        """A nacked record waits in the buffer, in offset order, still holding its key."""
-        index = next((i for i, r in enumerate(self.records) if r.offset > record.offset), None)
-        self.records.insert(len(self.records) if index is None else index, record)
-        self.bytes += _size(record)
-        self.not_before[record.offset] = due
-
-    def prefix_with(self, offsets: Iterable[int]) -> int | None:
-        """The commit point if ``offsets`` (one transaction's records) settled too.
-
-        None: that transaction's records do not extend the settled prefix.
-        """
-        mine = set(offsets)
-        if not self.windowed:  # one record out at a time: it is the prefix's next one
-            return max(mine) + 1
-        end = None
-        for offset in self.window:
-            if offset not in self.done and offset not in mine:
-                break
-            end = offset + 1
-        return end
-
-    def settle(self, record: Any) -> None:
-        """Release the record's key; the commit point moves over the settled prefix."""
-        if self.keys.get(record.key) == record.offset:
-            del self.keys[record.key]
-        self.done.add(record.offset)
-        while self.window and self.window[0] in self.done:
-            first = self.window.popleft()
-            self.done.discard(first)
-            self.settled = first + 1
-
-
-def _size(record: Any) -> int:
-    """Bytes a buffered record holds: key, value and headers."""
-    size = len(record.key or b"") + len(record.value or b"")
-    return size + sum(len(k) + len(v or b"") for k, v in record.headers or ())
-
-
-class _Handle:
-    __slots__ = ("attempt", "message_id", "partition", "record")
-
-    def __init__(
-        self, partition: _Partition, record: Any, attempt: int, message_id: str | None
-    ) -> None:
-        self.partition = partition
-        self.record = record
-        self.attempt = attempt
-        self.message_id = message_id
-
-
 class _Pending:
     """One partition's records in one transaction, and the offset already written for them."""
 
@@ -542,7 +141,7 @@ class _Store:
 
     __slots__ = ("broker", "handle")
 
-    def __init__(self, broker: KafkaBroker, handle: _Handle) -> None:
+    def __init__(self, broker: KafkaBroker, handle: Handle) -> None:
         self.broker = broker
         self.handle = handle
 
@@ -569,14 +168,18 @@ class KafkaBroker:
     def __init__(self, settings: Settings, kafka: KafkaSettings) -> None:
         self.settings = settings
         self.kafka = kafka
+        self.destination = ",".join(kafka.topic_list)  # span names: process <topics>
+        # The adapter's own events (rebalances, seeks back, commits and their failures,
+        # fences, fetch errors...): worker_broker_events_total{broker="kafka", event}.
+        self.stats: Counter[str] = Counter()
         self._identity = load_identity(
             settings.message_id_func, header_message_id(kafka.message_id_header)
         )
         self._log = get_logger(broker="kafka", group=kafka.group_id)
         self._consumer: Any = None
         self._producer: Any = None
-        self._partitions: dict[Any, _Partition] = {}
-        self._ready: deque[_Partition] = deque()
+        self._partitions: dict[Any, Partition] = {}
+        self._ready: deque[Partition] = deque()
         self._wakeup = asyncio.Event()
         self._attempts: dict[Any, dict[int, int]] = {}  # tp -> offset -> deliveries so far
         self._commit_lock = asyncio.Lock()
@@ -586,7 +189,7 @@ class KafkaBroker:
         self._stopping = False
         # The watchdog: every record handed out and not settled yet, with the time
         # it becomes overdue. An overdue record takes this member out of the group.
-        self._out: dict[_Handle, float] = {}
+        self._out: dict[Handle, float] = {}
         # A delivery may legitimately take one handler attempt, plus the pump's
         # in-process retries of conflicts; past that and the margin, it is hung.
         limit = getattr(settings, "handler_timeout", 300.0)  # WORKER_HANDLER_TIMEOUT
@@ -595,7 +198,7 @@ class KafkaBroker:
             None if limit is None else float(limit) + retries + kafka.watchdog_margin
         )
         self._left = False  # out of the group because a record is overdue
-        # Offsets and delivery counts in the database (worker.brokers.kafka_offsets).
+        # Offsets and delivery counts in the database (worker.brokers.kafka.offsets).
         self._database = kafka.offsets == "database"
         self._counting = getattr(settings, "delivery_counts", "broker") == "database"
         self._batch = max(1, int(getattr(settings, "batch_size", 1) or 1))  # WORKER_BATCH_SIZE
@@ -659,7 +262,7 @@ class KafkaBroker:
             await self._producer.start()
         except KafkaError as exc:
             await self._stop_clients()
-            raise _start_error(kafka, exc) from None
+            raise start_error(kafka, exc) from None
         try:
             await self._consumer.start()
         except KafkaError as exc:
@@ -720,6 +323,7 @@ class KafkaBroker:
                 async with asyncio.timeout(self.kafka.commit_timeout):
                     await client.stop()
             except (KafkaError, TimeoutError) as exc:
+                self.stats["unclean_stops"] += 1
                 self._log.warning("kafka client did not stop cleanly", error=exc)
             except asyncio.CancelledError:
                 task = asyncio.current_task()
@@ -727,6 +331,7 @@ class KafkaBroker:
                     raise
                 # With the broker away, aiokafka's fetcher lets the cancellation of
                 # its own retry task escape stop(); it is not ours to propagate.
+                self.stats["unclean_stops"] += 1
                 self._log.warning("kafka client did not stop cleanly", error="cancelled inside")
         if self._engine is not None:
             await self._engine.dispose()
@@ -740,14 +345,15 @@ class KafkaBroker:
         failures = 0
         while True:
             if self._left:  # unsubscribed: nothing to fetch until the watchdog rejoins
-                await asyncio.sleep(_FETCH_WAIT_MS / 1000)
+                await asyncio.sleep(FETCH_WAIT_MS / 1000)
                 continue
             self._flow_control()
             try:
-                batches = await consumer.getmany(timeout_ms=_FETCH_WAIT_MS)
+                batches = await consumer.getmany(timeout_ms=FETCH_WAIT_MS)
             except Exception as exc:  # aiokafka retries inside; whatever escapes, back off
                 self._fetch_ok = False
                 failures += 1
+                self.stats["fetch_errors"] += 1
                 self._log.warning("kafka fetch failed", error=exc, failures=failures)
                 await asyncio.sleep(min(5.0, 0.1 * 2**failures))
                 continue
@@ -783,7 +389,7 @@ class KafkaBroker:
         if resume:
             consumer.resume(*resume)
 
-    def _offerable(self, partition: _Partition) -> bool:
+    def _offerable(self, partition: Partition) -> bool:
         if not partition.owned or partition.rewind is not None or not partition.records:
             return False
         if not partition.claimed:
@@ -795,12 +401,12 @@ class KafkaBroker:
             return partition.next_index(time.monotonic()) is not None
         return partition.inflight < partition.batch
 
-    def _offer(self, partition: _Partition) -> None:
+    def _offer(self, partition: Partition) -> None:
         if self._offerable(partition) and partition not in self._ready:
             self._ready.append(partition)
             self._wakeup.set()
 
-    def _hand_out(self, partition: _Partition) -> Delivery:
+    def _hand_out(self, partition: Partition) -> Delivery:
         if partition.keyed:
             index = partition.next_index(time.monotonic())
             assert index is not None  # receive() checked _offerable
@@ -814,10 +420,13 @@ class KafkaBroker:
         if record.offset <= partition.suspect_through:
             attempt = max(attempt, 2)  # may have been started before: counted in the database
         partition.handed = max(partition.handed, record.offset)
-        headers = {key: value.decode("utf-8", "replace") for key, value in _headers(record).items()}
+        headers = {
+            key: value.decode("utf-8", "replace") for key, value in record_headers(record).items()
+        }
         try:
             message_id = self._identity(record)
         except Exception as exc:  # a deployment's id function must not stop the pump
+            self.stats["message_id_func_failed"] += 1
             self._log.warning(
                 "message id function failed",
                 error=exc,
@@ -830,7 +439,7 @@ class KafkaBroker:
             or headers.get("ce_type")
             or self.kafka.topic_types.get(record.topic)
         )
-        handle = _Handle(partition, record, attempt, message_id)
+        handle = Handle(partition, record, attempt, message_id)
         if self._overdue_after is not None:
             self._out[handle] = time.monotonic() + self._overdue_after
         body = record.value or b""
@@ -842,13 +451,13 @@ class KafkaBroker:
             delivery.in_transaction = _Store(self, handle)
         return delivery
 
-    def _returned(self, partition: _Partition) -> None:
+    def _returned(self, partition: Partition) -> None:
         partition.inflight -= 1
         partition.busy = partition.inflight > 0
         if not partition.busy:
             partition.idle.set()
 
-    def _settled(self, handle: _Handle) -> None:
+    def _settled(self, handle: Handle) -> None:
         partition = handle.partition
         offset = handle.record.offset
         if partition.windowed:
@@ -870,12 +479,12 @@ class KafkaBroker:
 
     # -- Settler ----------------------------------------------------------------
 
-    async def ack(self, handle: _Handle) -> None:
+    async def ack(self, handle: Handle) -> None:
         self._out.pop(handle, None)
         self._require_owned(handle, "ack")
         self._settled(handle)
 
-    async def nack(self, handle: _Handle, delay: float | None, counted: bool = True) -> None:
+    async def nack(self, handle: Handle, delay: float | None, counted: bool = True) -> None:
         self._out.pop(handle, None)
         partition, record = handle.partition, handle.record
         if not partition.owned:
@@ -895,6 +504,7 @@ class KafkaBroker:
             # other keys go on; the commit point stays below it meanwhile.
             partition.put_back(record, time.monotonic() + delay)
             loop.call_later(delay + 0.001, self._offer, partition)
+            self.stats["backoffs"] += 1
             self._log.debug(
                 "backing off", partition=partition.label, offset=record.offset, delay=delay
             )
@@ -918,14 +528,15 @@ class KafkaBroker:
             delay=round(delay, 3),
         )
 
-    def _seek_back(self, partition: _Partition, offset: int) -> None:
+    def _seek_back(self, partition: Partition, offset: int) -> None:
         partition.rewind = None
         partition.rewind_to = None
         if partition.owned and not self._stopping:
             self._consumer.seek(partition.tp, offset)
             self._consumer.resume(partition.tp)
+            self.stats["seeks_back"] += 1
 
-    async def dead_letter(self, handle: _Handle, reason: str) -> None:
+    async def dead_letter(self, handle: Handle, reason: str) -> None:
         """Produce the record to its dead-letter topic; settle it once the broker has it.
 
         A send the broker (or the producer's own size check) refuses for good is
@@ -938,7 +549,7 @@ class KafkaBroker:
         record = handle.record
         topic = self.kafka.dead_letter_topic(record.topic)
         own = self._dead_letter_headers(handle, reason)
-        original = [(k, v) for k, v in record.headers or () if not k.startswith(_DLT_PREFIX)]
+        original = [(k, v) for k, v in record.headers or () if not k.startswith(DLT_PREFIX)]
         # aiokafka refuses a record with neither key nor value (a keyless tombstone)
         value = b"" if record.value is None and record.key is None else record.value
         try:
@@ -950,7 +561,7 @@ class KafkaBroker:
         self._require_owned(handle, "dead-letter")
         self._settled(handle)
 
-    def _dead_letter_headers(self, handle: _Handle, reason: str) -> list[tuple[str, bytes]]:
+    def _dead_letter_headers(self, handle: Handle, reason: str) -> list[tuple[str, bytes]]:
         record = handle.record
         headers = [
             (DLT_TOPIC, record.topic.encode()),
@@ -965,7 +576,7 @@ class KafkaBroker:
 
     async def _dead_letter_reduced(
         self,
-        handle: _Handle,
+        handle: Handle,
         topic: str,
         original: list[tuple[str, bytes]],
         own: list[tuple[str, bytes]],
@@ -982,6 +593,7 @@ class KafkaBroker:
             dropped.append("key")
             key = None
         marks = [(DLT_DROPPED, ",".join(dropped).encode()), (DLT_ORIGINAL_SIZE, b"%d" % len(value))]
+        self.stats["dead_letters_reduced"] += 1
         self._log.warning(
             "dead letter refused for good, sending it reduced",
             message_id=handle.message_id,
@@ -997,7 +609,8 @@ class KafkaBroker:
         except KafkaError as exc:
             await self._dead_letter_failed(handle, topic, exc)
 
-    async def _dead_letter_failed(self, handle: _Handle, topic: str, exc: Exception) -> None:
+    async def _dead_letter_failed(self, handle: Handle, topic: str, exc: Exception) -> None:
+        self.stats["dead_letter_failures"] += 1
         self._log.warning(
             "dead-letter send failed, record rewound",
             message_id=handle.message_id,
@@ -1009,7 +622,7 @@ class KafkaBroker:
         await self.nack(handle, None)
         raise SettlementLost(f"dead-letter topic {topic!r} refused the record: {exc}") from None
 
-    def _require_owned(self, handle: _Handle, verb: str) -> None:
+    def _require_owned(self, handle: Handle, verb: str) -> None:
         partition = handle.partition
         if not partition.owned:
             raise SettlementLost(
@@ -1024,7 +637,7 @@ class KafkaBroker:
             await asyncio.sleep(self.kafka.commit_interval)
             await self._commit(list(self._partitions.values()))
 
-    async def _commit(self, partitions: Sequence[_Partition]) -> bool:
+    async def _commit(self, partitions: Sequence[Partition]) -> bool:
         """Commit each partition's settled prefix; False when the broker refused.
 
         Only for partitions assigned in the member's current generation. A member
@@ -1040,6 +653,7 @@ class KafkaBroker:
             pending = [p for p in partitions if p.settled is not None and p.settled != p.committed]
             stale = [p for p in pending if p.generation != generation or generation < 0]
             if stale:
+                self.stats["stale_commits_skipped"] += 1
                 self._log.warning(
                     "not committing for a lost membership",
                     partitions=sorted(p.label for p in stale),
@@ -1054,14 +668,16 @@ class KafkaBroker:
             except (KafkaError, TimeoutError) as exc:
                 # Not fatal: a later commit (or the next owner) covers it, and
                 # what was processed twice meanwhile is absorbed by the inbox.
+                self.stats["commit_failures"] += 1
                 self._log.warning("offset commit failed", error=exc, partitions=len(offsets))
                 return False
+            self.stats["commits"] += 1
             for partition in partitions:
                 if partition.tp in offsets:
                     partition.committed = offsets[partition.tp]
             return True
 
-    async def _store_offsets(self, partitions: Sequence[_Partition]) -> None:
+    async def _store_offsets(self, partitions: Sequence[Partition]) -> None:
         """Database offsets: move each row over what settled without a commit of its own.
 
         A handler's transaction stores the offset past its record; duplicates, dead
@@ -1082,6 +698,7 @@ class KafkaBroker:
                 else:
                     self._fenced(partition, "offset store")
             except Exception as exc:
+                self.stats["offset_store_failures"] += 1
                 self._log.warning(
                     "offset store failed", partition=partition.label, offset=settled, error=exc
                 )
@@ -1091,7 +708,7 @@ class KafkaBroker:
         self._chores.add(task)
         task.add_done_callback(self._chores.discard)
 
-    async def _claim(self, partition: _Partition) -> None:
+    async def _claim(self, partition: Partition) -> None:
         """Take the partition's row over, seek to its stored offset, then let records flow.
 
         Until the claim is in, the partition stays paused: a record handed out before
@@ -1108,6 +725,7 @@ class KafkaBroker:
                 break
             except Exception as exc:  # the database is away: the partition waits for it
                 failures += 1
+                self.stats["offset_claim_failures"] += 1
                 self._log.warning(
                     "offset claim failed", partition=partition.label, error=exc, failures=failures
                 )
@@ -1127,6 +745,7 @@ class KafkaBroker:
             self._consumer.seek(tp, target)
         partition.refetch = None
         partition.claimed = True
+        self.stats["partitions_claimed"] += 1
         self._log.info(
             "partition claimed",
             partition=partition.label,
@@ -1136,14 +755,14 @@ class KafkaBroker:
         )
         self._flow_control()
 
-    def _reserve(self, partition: _Partition) -> None:
+    def _reserve(self, partition: Partition) -> None:
         if partition.reserving or partition.slot is None:
             return
         partition.reserving = True
         through = partition.records[-1].offset + _RESERVE_AHEAD
         self._chore(self._reserving(partition, through), f"kafka-reserve-{partition.label}")
 
-    async def _reserving(self, partition: _Partition, through: int) -> None:
+    async def _reserving(self, partition: Partition, through: int) -> None:
         assert self._engine is not None and partition.slot is not None
         try:
             if await kafka_offsets.reserve(self._engine, partition.slot, through):
@@ -1151,13 +770,14 @@ class KafkaBroker:
             else:
                 self._fenced(partition, "reservation")
         except Exception as exc:
+            self.stats["offset_reservation_failures"] += 1
             self._log.warning("offset reservation failed", partition=partition.label, error=exc)
             await asyncio.sleep(1.0)
         finally:
             partition.reserving = False
         self._offer(partition)
 
-    async def _hand_over(self, partitions: Sequence[_Partition]) -> None:
+    async def _hand_over(self, partitions: Sequence[Partition]) -> None:
         """A clean revocation: the next owner need not count what was never started."""
         if not self._counting or self._engine is None:
             return
@@ -1170,12 +790,14 @@ class KafkaBroker:
                 through = max(partition.handed, partition.suspect_through)
                 await kafka_offsets.hand_over(self._engine, partition.slot, through)
             except Exception as exc:
+                self.stats["hand_over_failures"] += 1
                 self._log.warning("hand-over not stored", partition=partition.label, error=exc)
 
-    def _fenced(self, partition: _Partition, where: str) -> None:
+    def _fenced(self, partition: Partition, where: str) -> None:
         """Another member claimed the row: stop here, and rejoin if Kafka says it is ours."""
         if not partition.owned:
             return
+        self.stats["fenced"] += 1
         self._log.warning(
             "partition fenced: another member claimed it",
             partition=partition.label,
@@ -1188,7 +810,7 @@ class KafkaBroker:
         if coordinator is not None:
             coordinator.request_rejoin()  # a rebalance settles who owns it
 
-    async def _store_in(self, handle: _Handle, session: AsyncSession) -> None:
+    async def _store_in(self, handle: Handle, session: AsyncSession) -> None:
         """The offset past ``handle``'s record, written in the handler's transaction.
 
         A partition's first record in a session is written at once (taking the row's
@@ -1201,7 +823,7 @@ class KafkaBroker:
         """
         partition, offset = handle.partition, handle.record.offset
         info = session.info
-        pending: dict[_Partition, _Pending] | None = info.get(_PENDING)
+        pending: dict[Partition, _Pending] | None = info.get(_PENDING)
         if pending is None:
             pending = info[_PENDING] = {}
         entry = pending.get(partition)
@@ -1224,7 +846,7 @@ class KafkaBroker:
 
     def _before_commit(self, session: Session) -> None:
         """A batch's last word on each partition's offset (runs inside the commit)."""
-        pending: dict[_Partition, _Pending] = session.info.get(_PENDING, {})
+        pending: dict[Partition, _Pending] = session.info.get(_PENDING, {})
         for partition, entry in pending.items():
             n = partition.prefix_with(entry.offsets)
             if n is None or n == entry.written:
@@ -1249,13 +871,15 @@ class KafkaBroker:
             if previous is not None:  # not revoked first: its handles must not commit
                 self._disown(previous)
             keyed = self.kafka.ordering == "key"
-            partition = self._partitions[tp] = _Partition(
+            partition = self._partitions[tp] = Partition(
                 tp, self._generation(), keyed, span=self.kafka.max_buffered, batch=self._batch
             )
             if self._engine is not None:  # claim the row first; nothing is read before
                 partition.claimed = False
                 self._consumer.pause(tp)
                 self._chore(self._claim(partition), f"kafka-claim-{partition.label}")
+            self.stats["partitions_assigned"] += 1
+        self.stats["rebalances"] += 1
         labels = sorted(p.label for p in self._partitions.values())
         self._log.info("partitions assigned", partitions=labels)
 
@@ -1285,6 +909,9 @@ class KafkaBroker:
             self._disown(partition)
         await self._commit(partitions)
         await self._hand_over(partitions)
+        self.stats["partitions_revoked"] += len(partitions)
+        if dropped:
+            self.stats["in_flight_dropped"] += dropped
         self._log.info(
             "partitions revoked",
             partitions=sorted(p.label for p in partitions),
@@ -1317,9 +944,10 @@ class KafkaBroker:
                 elif any(h.partition.owned for h in overdue):
                     await self._leave([h for h in overdue if h.partition.owned])
             except Exception as exc:  # aiokafka refused: try again next round, never go quiet
+                self.stats["watchdog_errors"] += 1
                 self._log.error("kafka watchdog step failed", error=exc, left=self._left)
 
-    async def _leave(self, overdue: list[_Handle]) -> None:
+    async def _leave(self, overdue: list[Handle]) -> None:
         self._left = True
         assert self._overdue_after is not None
         for handle in overdue:
@@ -1338,6 +966,7 @@ class KafkaBroker:
         except Exception:
             self._left = False  # still in the group: the next round tries again
             raise
+        self.stats["watchdog_leaves"] += 1
         for partition in self._partitions.values():  # assigned while _revoke waited
             self._disown(partition)
         self._partitions.clear()
@@ -1345,9 +974,10 @@ class KafkaBroker:
     def _rejoin(self) -> None:
         self._left = False
         self._consumer.subscribe(self.kafka.topic_list, listener=_Listener(self))
+        self.stats["watchdog_rejoins"] += 1
         self._log.info("no record overdue any more, rejoining the consumer group")
 
-    def _disown(self, partition: _Partition) -> None:
+    def _disown(self, partition: Partition) -> None:
         """From here on, settlements of its records raise SettlementLost."""
         partition.owned = False
         partition.drop()
@@ -1355,210 +985,3 @@ class KafkaBroker:
             partition.rewind.cancel()
             partition.rewind = None
             partition.rewind_to = None
-
-
-def open_broker(settings: Settings) -> KafkaBroker:
-    return KafkaBroker(settings, load_kafka_settings())
-
-
-# -- operator tools ----------------------------------------------------------------
-
-
-def _encode_header(value: Any) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    return (value if isinstance(value, str) else json.dumps(value)).encode()
-
-
-class KafkaAdmin:
-    """``worker publish`` and ``worker dlq`` for Kafka.
-
-    Dead letters count as pending from the offsets committed by the group
-    ``<group_id><dead_letter_suffix>`` onward; ``resubmit`` moves them back to
-    their original topic and then commits that group past them. A crash between
-    the two re-submits them again, under the same message id, so the inbox
-    absorbs it.
-    """
-
-    def __init__(self, kafka: KafkaSettings, timeout: float = 30.0) -> None:
-        self.kafka = kafka
-        self.timeout = timeout
-        self._producer: Any = None
-
-    async def _producer_started(self) -> Any:
-        if self._producer is None:
-            self._producer = await start_producer(self.kafka)
-        return self._producer
-
-    async def publish(self, messages: list[OutgoingMessage]) -> int:
-        """Send to the first topic, keyed by message id (a retry lands on the same partition)."""
-        kafka = self.kafka
-        topic = kafka.topic_list[0]
-        producer = await self._producer_started()
-        try:
-            pending = []
-            for message in messages:
-                headers = [(k, _encode_header(v)) for k, v in message.headers.items()]
-                headers.append((kafka.type_header, message.type.encode()))
-                key = None
-                if message.message_id is not None:
-                    key = message.message_id.encode()
-                    headers.append((kafka.message_id_header, key))
-                pending.append(await producer.send(topic, message.body, key=key, headers=headers))
-            await asyncio.gather(*pending)
-        except KafkaError as exc:
-            raise BrokerUnavailable(f"publishing to {topic!r}: {exc}") from None
-        return len(messages)
-
-    async def dead_letters(
-        self, limit: int, match: DeadLetterFilter | None = None, *, scan: int = DEFAULT_SCAN
-    ) -> list[DeadLetterInfo]:
-        """Read the pending dead letters without committing: listing changes nothing."""
-        consumer = await self._dead_letter_consumer()
-        try:
-            records = await self._pending(consumer, scan)
-        except KafkaError as exc:
-            raise BrokerUnavailable(f"reading dead letters: {exc}") from None
-        finally:
-            await consumer.stop()
-        letters = [self._info(record) for record in records]
-        return [letter for letter in letters if match is None or match(letter)][:limit]
-
-    async def resubmit(
-        self, limit: int, match: DeadLetterFilter | None = None, *, scan: int = DEFAULT_SCAN
-    ) -> int:
-        """Send matching dead letters back to their topic, then commit the group past them.
-
-        The commit point of a partition can only move over a contiguous prefix: a
-        dead letter that does not match but lies before a moved one is appended to
-        the dead-letter topic again (same partition, key, headers and timestamp)
-        before the commit, so it stays pending, now at the end of its partition.
-        Every send is acknowledged before the commit; a crash in between re-sends
-        under the same message id, and the inbox absorbs it.
-        """
-        consumer = await self._dead_letter_consumer()
-        try:
-            records = await self._pending(consumer, scan)
-            chosen: set[tuple[str, int, int]] = set()
-            for record in records:  # offset order within each partition
-                if len(chosen) >= limit:
-                    break
-                if match is None or match(self._info(record)):
-                    chosen.add((record.topic, record.partition, record.offset))
-            if not chosen:
-                return 0
-            last: dict[Any, int] = {}
-            for topic, partition, offset in chosen:
-                tp = TopicPartition(topic, partition)
-                last[tp] = max(last.get(tp, -1), offset)
-            producer = await self._producer_started()
-            sent = []
-            for record in records:
-                tp = TopicPartition(record.topic, record.partition)
-                if record.offset > last.get(tp, -1):
-                    continue  # after the last moved one: left alone
-                if (record.topic, record.partition, record.offset) in chosen:
-                    sent.append(await self._send_back(producer, record))
-                else:
-                    sent.append(
-                        await producer.send(
-                            record.topic,
-                            record.value,
-                            key=record.key,
-                            headers=list(record.headers or ()),
-                            partition=record.partition,
-                            timestamp_ms=record.timestamp,
-                        )
-                    )
-            await asyncio.gather(*sent)
-            await consumer.commit({tp: offset + 1 for tp, offset in last.items()})
-        except KafkaError as exc:
-            raise BrokerUnavailable(f"re-submitting dead letters: {exc}") from None
-        finally:
-            await consumer.stop()
-        return len(chosen)
-
-    async def _send_back(self, producer: Any, record: Any) -> Any:
-        """Produce the dead letter to its original topic without the ``dlt-*`` headers."""
-        kafka = self.kafka
-        headers = _headers(record)
-        suffix = kafka.dead_letter_suffix
-        topic = _text(headers.get(DLT_TOPIC)) or record.topic.removesuffix(suffix)
-        out = [(k, v) for k, v in record.headers or () if not k.startswith(_DLT_PREFIX)]
-        if kafka.message_id_header not in headers and DLT_MESSAGE_ID in headers:
-            # The id came from a fallback (CloudEvents, offset): keep it as the header,
-            # or the record's new offset would make it a new message.
-            out.append((kafka.message_id_header, headers[DLT_MESSAGE_ID]))
-        return await producer.send(topic, record.value, key=record.key, headers=out)
-
-    def _info(self, record: Any) -> DeadLetterInfo:
-        headers = {k: v.decode("utf-8", "replace") for k, v in _headers(record).items()}
-        at = record.timestamp
-        return DeadLetterInfo(
-            message_id=headers.get(DLT_MESSAGE_ID),
-            type=headers.get(self.kafka.type_header) or headers.get("ce_type"),
-            reason=headers.get(DLT_REASON, ""),
-            body=record.value or b"",
-            headers=headers,
-            dead_lettered_at=datetime.fromtimestamp(at / 1000, UTC) if at and at > 0 else None,
-        )
-
-    async def _dead_letter_consumer(self) -> Any:
-        kafka = self.kafka
-        consumer = AIOKafkaConsumer(
-            group_id=kafka.dead_letter_topic(kafka.group_id),
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            **kafka.client_options(),
-        )
-        try:
-            await consumer.start()
-        except KafkaError as exc:
-            await consumer.stop()
-            raise BrokerUnavailable(f"kafka at {kafka.bootstrap_servers}: {exc}") from None
-        return consumer
-
-    async def _pending(self, consumer: Any, limit: int) -> list[Any]:
-        """Dead letters from the group's committed offsets on, in order per partition.
-
-        A partition is read up to the high watermark its fetch responses report,
-        bounded by ``limit`` records and ``timeout`` seconds.
-        """
-        kafka = self.kafka
-        await consumer.topics()  # loads the metadata partitions_for_topic reads
-        tps = [
-            TopicPartition(topic, number)
-            for topic in map(kafka.dead_letter_topic, kafka.topic_list)
-            for number in sorted(consumer.partitions_for_topic(topic) or ())
-        ]
-        if not tps or limit <= 0:
-            return []
-        consumer.assign(tps)
-        for tp in tps:
-            committed = await consumer.committed(tp)
-            if committed is None:
-                await consumer.seek_to_beginning(tp)
-            else:
-                consumer.seek(tp, committed)
-        remaining, records = set(tps), list[Any]()
-        deadline = time.monotonic() + self.timeout
-        while remaining and len(records) < limit and time.monotonic() < deadline:
-            batches = await consumer.getmany(
-                *remaining, timeout_ms=_FETCH_WAIT_MS, max_records=limit - len(records)
-            )
-            for batch in batches.values():
-                records.extend(batch)
-            for tp in list(remaining):
-                highwater = consumer.highwater(tp)
-                if highwater is not None and await consumer.position(tp) >= highwater:
-                    remaining.discard(tp)
-        return records
-
-    async def close(self) -> None:
-        if self._producer is not None:
-            await self._producer.stop()
-            self._producer = None
-
-
-def open_admin(settings: Settings) -> KafkaAdmin:
-    return KafkaAdmin(load_kafka_settings())

@@ -1,4 +1,9 @@
-"""Azure Service Bus through azure-servicebus's asyncio client, in PEEK_LOCK mode.
+"""The pump's Broker on one Service Bus queue or topic subscription, in PEEK_LOCK mode:
+its links (client and receiver), the locks it holds and renews, and how it settles.
+
+The consumer keeps its own settlement handles: each fetched message's ``_Lock``
+waits in the inbox next to its Delivery, and the pump hands the lock back to
+:meth:`ServiceBusConsumer.ack` and the other verbs.
 
 Verb mapping:
 
@@ -36,24 +41,14 @@ reporting not-ready meanwhile. Sessions are not supported (see docs/servicebus.m
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-import importlib
-import json
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
-from datetime import datetime
-from typing import TYPE_CHECKING, Any, Protocol, Self, cast
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, cast
 
-from azure.servicebus import (
-    ServiceBusMessage,
-    ServiceBusReceivedMessage,
-    ServiceBusReceiveMode,
-    ServiceBusSubQueue,
-)
-from azure.servicebus.aio import AutoLockRenewer, ServiceBusClient
-from azure.servicebus.amqp import AmqpMessageBodyType
+from azure.servicebus import ServiceBusMessage, ServiceBusReceivedMessage, ServiceBusReceiveMode
+from azure.servicebus.aio import AutoLockRenewer
 from azure.servicebus.exceptions import (
     MessageAlreadySettled,
     MessageLockLostError,
@@ -62,300 +57,43 @@ from azure.servicebus.exceptions import (
     ServiceBusError,
     SessionLockLostError,
 )
-from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from worker.brokers import (
-    DEFAULT_SCAN,
-    DeadLetterFilter,
-    DeadLetterInfo,
-    IdentityFunc,
-    OutgoingMessage,
-    load_identity,
+from worker.brokers import IdentityFunc
+from worker.brokers.servicebus import messages
+from worker.brokers.servicebus.client import (
+    _SEND_CHUNK,
+    Client,
+    ClientFactory,
+    Receiver,
+    Sender,
+    _describe,
+    _quietly,
 )
+from worker.brokers.servicebus.messages import (
+    COPIED_AT_PROPERTY,
+    DELIVERIES_PROPERTY,
+    TypeResolver,
+    _given_back,
+    _headers,
+    _text,
+    body_of,
+    default_message_id,
+)
+from worker.brokers.servicebus.settings import ServiceBusSettings
 from worker.delivery import Delivery
-from worker.errors import AlreadySettled, BrokerUnavailable, ConfigurationError, SettlementLost
+from worker.errors import AlreadySettled, BrokerUnavailable, SettlementLost
 from worker.logs import get_logger
 from worker.retry import backoff
-from worker.settings import load
 
 if TYPE_CHECKING:
     from azure.servicebus.aio import ServiceBusReceiver
 
-    from worker.settings import Settings
-
-DEAD_LETTER_REASON = b"DeadLetterReason"
-DEAD_LETTER_DESCRIPTION = b"DeadLetterErrorDescription"
 _REASON_LIMIT = 256
 _DESCRIPTION_LIMIT = 4096
-_SEND_CHUNK = 100
 _LOCK_LOST = (MessageLockLostError, SessionLockLostError, MessageNotFoundError)
 _HOLD_MARGIN = 5.0  # a delayed nack abandons this long before lock renewal ends (at most)
 _MAX_LOCK_DURATION = 300.0  # Service Bus's longest lock duration, s
 _SKEW_LOG_EVERY = 60.0  # one clock-skew warning a minute; the counter counts every message
-DELIVERIES_PROPERTY = "x-worker-deliveries"  # deliveries spent before an uncounted give-back
-COPIED_AT_PROPERTY = "x-worker-copied-at"  # epoch ms (a string) when the worker sent that copy
-_WORKER_PROPERTIES = (DELIVERIES_PROPERTY, COPIED_AT_PROPERTY)
-
-
-class ServiceBusSettings(BaseSettings):
-    """``WORKER_SERVICEBUS_*``: where to connect, what to read, how to hold locks."""
-
-    model_config = SettingsConfigDict(env_prefix="WORKER_SERVICEBUS_", extra="ignore")
-
-    connection_string: SecretStr | None = Field(
-        None, description="A SAS connection string (or the emulator's). Or set NAMESPACE."
-    )
-    namespace: str | None = Field(
-        None,
-        description="Fully qualified namespace (x.servicebus.windows.net), authenticated with "
-        "azure-identity's DefaultAzureCredential (pip install idempotent-worker[azure]).",
-    )
-    queue: str | None = Field(None, description="The queue to consume; or TOPIC + SUBSCRIPTION.")
-    topic: str | None = None
-    subscription: str | None = None
-    prefetch: int | None = Field(
-        None, ge=0, description="The SDK's prefetch_count; default: the pump's concurrency."
-    )
-    receive_batch: int | None = Field(
-        None, ge=1, description="Most messages per receive call; default: every free slot."
-    )
-    receive_wait: float = Field(5.0, gt=0, description="max_wait_time of one receive call, s.")
-    max_lock_renewal: float = Field(
-        300.0, ge=0, description="Keep renewing a message's lock this long, s; 0 turns renewal off."
-    )
-    try_timeout: float = Field(
-        30.0, gt=0, description="Bounds each SDK attempt, including the link open, s."
-    )
-    retry_total: int = Field(3, ge=0, description="The SDK's own retries before it raises.")
-    reconnect_backoff: float = Field(0.5, gt=0, description="Base of the reconnect backoff, s.")
-    reconnect_backoff_max: float = Field(30.0, gt=0, description="Cap of the reconnect backoff, s.")
-    type_property: str = Field("type", description="Application property naming the type.")
-    type_mapping: dict[str, str] = Field(
-        default_factory=dict,
-        description='Entity -> type for messages that name none: {"orders": "OrderPlaced"}.',
-    )
-    entity_max_delivery_count: int = Field(
-        10, ge=1, description="The entity's MaxDeliveryCount: warn unless the pump's is below."
-    )
-    clock_skew_tolerance: float = Field(
-        30.0,
-        gt=0,
-        description="Local clock vs the broker's: warn beyond this; a carried count is "
-        "honoured only when its copy was enqueued within the send's bound plus this, s.",
-    )
-    give_back_timeout: float = Field(
-        10.0, gt=0, description="Bounds the give-back of fetched, untaken messages at stop, s."
-    )
-
-    @property
-    def entity(self) -> str:
-        """The entity path, as it appears in logs and in ``type_mapping`` keys."""
-        if self.queue:
-            return self.queue
-        return f"{self.topic}/{self.subscription}"
-
-    @property
-    def operation_bound(self) -> float:
-        """Outer bound of one SDK call: every attempt timed out, plus the SDK's retry sleeps.
-
-        The SDK sleeps 0.8 s * 2^n (at most 120 s) between its attempts by default.
-        """
-        sleeps = sum(min(0.8 * 2.0**n, 120.0) for n in range(self.retry_total))
-        return self.try_timeout * (self.retry_total + 1) + sleeps + 1.0
-
-    def check(self) -> Self:
-        """Cross-field rules, raised as one line that never echoes the connection string."""
-        if (self.connection_string is None) == (self.namespace is None):
-            raise ConfigurationError(
-                "set exactly one of WORKER_SERVICEBUS_CONNECTION_STRING "
-                "and WORKER_SERVICEBUS_NAMESPACE"
-            )
-        if bool(self.queue) == bool(self.topic):
-            raise ConfigurationError(
-                "set exactly one of WORKER_SERVICEBUS_QUEUE and WORKER_SERVICEBUS_TOPIC"
-            )
-        if self.topic and not self.subscription:
-            raise ConfigurationError("WORKER_SERVICEBUS_TOPIC needs WORKER_SERVICEBUS_SUBSCRIPTION")
-        return self
-
-
-# -- the slice of the SDK the adapter calls (a fake implements exactly this) ----
-
-
-class Receiver(Protocol):
-    async def __aenter__(self) -> Self: ...
-
-    async def receive_messages(
-        self, max_message_count: int | None = 1, max_wait_time: float | None = None
-    ) -> list[ServiceBusReceivedMessage]: ...
-
-    async def peek_messages(
-        self, max_message_count: int = 1, *, sequence_number: int = 0
-    ) -> list[ServiceBusReceivedMessage]: ...
-
-    async def complete_message(self, message: ServiceBusReceivedMessage) -> None: ...
-
-    async def abandon_message(self, message: ServiceBusReceivedMessage) -> None: ...
-
-    async def dead_letter_message(
-        self,
-        message: ServiceBusReceivedMessage,
-        reason: str | None = None,
-        error_description: str | None = None,
-    ) -> None: ...
-
-    async def renew_message_lock(self, message: ServiceBusReceivedMessage) -> datetime: ...
-
-    async def close(self) -> None: ...
-
-
-class Sender(Protocol):
-    async def send_messages(self, message: Any) -> None: ...
-
-    async def close(self) -> None: ...
-
-
-class Client(Protocol):
-    def get_queue_receiver(self, queue_name: str, **kwargs: Any) -> Receiver: ...
-
-    def get_subscription_receiver(
-        self, topic_name: str, subscription_name: str, **kwargs: Any
-    ) -> Receiver: ...
-
-    def get_queue_sender(self, queue_name: str, **kwargs: Any) -> Sender: ...
-
-    def get_topic_sender(self, topic_name: str, **kwargs: Any) -> Sender: ...
-
-    async def close(self) -> None: ...
-
-
-ClientFactory = Callable[[], Client]
-
-
-class Connector:
-    """Makes clients: from a connection string, or a namespace plus one shared credential."""
-
-    def __init__(self, settings: ServiceBusSettings) -> None:
-        self._settings = settings
-        self._credential: Any = None
-        if settings.connection_string is None:
-            self._credential = _default_credential()
-
-    def __call__(self) -> Client:
-        settings = self._settings
-        options: dict[str, Any] = {
-            "retry_total": settings.retry_total,
-            "try_timeout": settings.try_timeout,
-        }
-        if settings.connection_string is not None:
-            secret = settings.connection_string.get_secret_value()
-            return ServiceBusClient.from_connection_string(secret, **options)
-        assert settings.namespace is not None
-        return ServiceBusClient(settings.namespace, self._credential, **options)
-
-    async def close(self) -> None:
-        if self._credential is not None:
-            await self._credential.close()
-
-
-def _default_credential() -> Any:
-    try:
-        identity = importlib.import_module("azure.identity.aio")
-    except ImportError:
-        raise ConfigurationError(
-            "WORKER_SERVICEBUS_NAMESPACE needs azure-identity: "
-            "pip install 'idempotent-worker[azure]'"
-        ) from None
-    return identity.DefaultAzureCredential()
-
-
-# -- reading a received message --------------------------------------------------
-
-
-def default_message_id(message: ServiceBusReceivedMessage) -> str | None:
-    """Service Bus ``MessageId``; AMQP allows a uuid or a number there too, so it is str()-ed."""
-    message_id = message.message_id
-    if message_id is None or message_id == "":
-        return None
-    return str(message_id)
-
-
-def _text(value: Any) -> Any:
-    """Keys and string values come back from the wire as bytes."""
-    if isinstance(value, bytes):
-        try:
-            return value.decode("utf-8")
-        except UnicodeDecodeError:
-            return value
-    return value
-
-
-def application_properties(message: ServiceBusReceivedMessage) -> dict[str, Any]:
-    return {str(_text(k)): _text(v) for k, v in (message.application_properties or {}).items()}
-
-
-def _headers(message: ServiceBusReceivedMessage) -> dict[str, Any]:
-    """What a handler sees: the application properties without the worker's own."""
-    properties = application_properties(message)
-    return {k: v for k, v in properties.items() if k not in _WORKER_PROPERTIES}
-
-
-def _wall() -> float:
-    """The local wall clock, the one the SDK's lock checks use (tests move it)."""
-    return time.time()
-
-
-def _given_back(message: ServiceBusReceivedMessage, spent: int) -> ServiceBusMessage:
-    """The copy an uncounted give-back sends: the same message, plus the count so far."""
-    properties: dict[str | bytes, Any] = {k: v for k, v in _headers(message).items()}
-    properties[DELIVERIES_PROPERTY] = spent
-    properties[COPIED_AT_PROPERTY] = str(int(_wall() * 1000))  # an int would overflow AMQP's
-    copy = ServiceBusMessage(
-        body_of(message),
-        application_properties=properties,
-        subject=message.subject,
-        content_type=message.content_type,
-        correlation_id=message.correlation_id,
-        to=message.to,
-        reply_to=message.reply_to,
-        time_to_live=message.time_to_live,
-    )
-    copy.message_id = message.message_id  # as it was, None included (the SDK invents one)
-    return copy
-
-
-def body_of(message: ServiceBusReceivedMessage) -> bytes:
-    """The payload: data sections joined; a str or bytes AMQP value as is."""
-    if message.body_type == AmqpMessageBodyType.DATA:
-        return b"".join(message.body)
-    value = message.body
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, str):
-        return value.encode()
-    return repr(value).encode()  # a sequence or a structured value: the pump rejects it as invalid
-
-
-class TypeResolver:
-    """Message type: an application property, else the subject, else the entity's mapping."""
-
-    def __init__(self, settings: ServiceBusSettings) -> None:
-        self._keys = (settings.type_property.encode(), settings.type_property)
-        mapping = settings.type_mapping
-        candidates = [settings.entity, settings.topic or settings.queue or ""]
-        self._fallback = next((mapping[c] for c in candidates if c in mapping), None)
-
-    def __call__(self, message: ServiceBusReceivedMessage) -> str | None:
-        properties = message.application_properties or {}
-        for key in self._keys:
-            value = properties.get(key)
-            if value:
-                return str(_text(value))
-        return message.subject or self._fallback
-
-
-# -- the consumer ----------------------------------------------------------------
 
 
 class _Link:
@@ -424,13 +162,14 @@ class ServiceBusConsumer:
         on_close: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.settings = settings
+        self.destination = settings.entity  # the queue, or "topic/subscription"
         self.stats: Counter[str] = Counter()
         self._factory = client_factory
         self._identity = identity
         self._type_of = TypeResolver(settings)
         self._on_close = on_close
         self._log = get_logger(broker="servicebus", entity=settings.entity)
-        self._inbox: asyncio.Queue[Delivery] = asyncio.Queue()
+        self._inbox: asyncio.Queue[tuple[_Lock, Delivery]] = asyncio.Queue()  # fetched, untaken
         self._link: _Link | None = None
         self._links: set[_Link] = set()
         self._locks: set[_Lock] = set()
@@ -468,8 +207,7 @@ class ServiceBusConsumer:
         self._loop_task = asyncio.create_task(self._receive_loop(), name="servicebus-receive")
 
     async def receive(self) -> Delivery:
-        delivery = await self._inbox.get()
-        handle: _Lock = delivery._handle
+        handle, delivery = await self._inbox.get()
         handle.taken = True
         return delivery
 
@@ -487,7 +225,7 @@ class ServiceBusConsumer:
             await asyncio.gather(self._loop_task, return_exceptions=True)
         waiting: list[_Lock] = []
         while not self._inbox.empty():
-            handle: _Lock = self._inbox.get_nowait()._handle
+            handle, _delivery = self._inbox.get_nowait()
             if handle.withdraw is not None:
                 handle.withdraw.cancel()
                 handle.withdraw = None
@@ -652,7 +390,7 @@ class ServiceBusConsumer:
             self,
             handle,
         )
-        self._inbox.put_nowait(delivery)
+        self._inbox.put_nowait((handle, delivery))
 
     def _carried(self, message: ServiceBusReceivedMessage, message_id: str | None) -> int:
         """Deliveries spent before the worker's own uncounted give-back, else 0.
@@ -694,7 +432,7 @@ class ServiceBusConsumer:
         it believes expired (``locked_until_utc`` already past); one behind makes the
         renewer renew too late. Neither is proven by one message, but each bound is.
         """
-        now = _wall()
+        now = messages._wall()  # looked up on the module: tests move this one clock
         tolerance = self.settings.clock_skew_tolerance
         skew = 0.0  # local minus broker, at least: > 0 ahead, < 0 behind
         enqueued = message.enqueued_time_utc
@@ -738,13 +476,13 @@ class ServiceBusConsumer:
         if not handle.taken:
             if self._stopping:
                 return  # stop_receiving gives it back with the rest
-            kept: list[Delivery] = []
+            kept: list[tuple[_Lock, Delivery]] = []
             while not self._inbox.empty():  # bounded by the inbox's size; no await in between
-                delivery = self._inbox.get_nowait()
-                if delivery._handle is not handle:
-                    kept.append(delivery)
-            for delivery in kept:
-                self._inbox.put_nowait(delivery)
+                entry = self._inbox.get_nowait()
+                if entry[0] is not handle:
+                    kept.append(entry)
+            for entry in kept:
+                self._inbox.put_nowait(entry)
         else:
             handle.reclaimed = True
             self.stats["reclaimed"] += 1
@@ -1021,274 +759,4 @@ class ServiceBusConsumer:
             await self._close_link(link)
 
 
-# -- operator tools --------------------------------------------------------------
-
-
-class ServiceBusAdmin:
-    """``worker publish`` and ``worker dlq`` for one queue or topic subscription.
-
-    Re-submitting from a subscription's dead-letter queue publishes to the topic,
-    so every subscription gets the copy: the others' inboxes drop it only if they
-    deduplicate by message id too.
-    """
-
-    def __init__(
-        self,
-        settings: ServiceBusSettings,
-        client_factory: ClientFactory,
-        *,
-        on_close: Callable[[], Awaitable[None]] | None = None,
-    ) -> None:
-        self.settings = settings
-        self._factory = client_factory
-        self._on_close = on_close
-        self._client: Client | None = None
-        self._type_of = TypeResolver(settings)
-
-    @property
-    def client(self) -> Client:
-        if self._client is None:
-            self._client = self._factory()
-        return self._client
-
-    def _sender(self) -> Sender:
-        settings = self.settings
-        if settings.queue:
-            return self.client.get_queue_sender(settings.queue)
-        assert settings.topic is not None
-        return self.client.get_topic_sender(settings.topic)
-
-    def _dead_letter_receiver(self) -> Receiver:
-        settings = self.settings
-        options: dict[str, Any] = {"sub_queue": ServiceBusSubQueue.DEAD_LETTER}
-        if settings.queue:
-            return self.client.get_queue_receiver(settings.queue, **options)
-        assert settings.topic and settings.subscription
-        return self.client.get_subscription_receiver(
-            settings.topic, settings.subscription, **options
-        )
-
-    def outgoing(self, message: OutgoingMessage) -> ServiceBusMessage:
-        properties: dict[str | bytes, Any] = {k: _simple(v) for k, v in message.headers.items()}
-        properties[self.settings.type_property] = message.type
-        outgoing = ServiceBusMessage(
-            message.body,
-            message_id=message.message_id,
-            subject=message.type,
-            content_type="application/json",
-            application_properties=properties,
-        )
-        # The SDK invents a random id when none is given; a line without an id must
-        # stay without one (the pump dead-letters it, as on every other broker).
-        outgoing.message_id = message.message_id
-        return outgoing
-
-    async def publish(self, messages: list[OutgoingMessage]) -> int:
-        async with self._translated("publishing"):
-            return await self.send([self.outgoing(m) for m in messages])
-
-    async def send(self, messages: list[ServiceBusMessage]) -> int:
-        sender = self._sender()
-        try:
-            for start in range(0, len(messages), _SEND_CHUNK):
-                chunk = messages[start : start + _SEND_CHUNK]
-                try:
-                    await sender.send_messages(chunk)
-                except MessageSizeExceededError:  # the chunk is over the batch limit: one by one
-                    for message in chunk:
-                        await sender.send_messages(message)
-        finally:
-            await sender.close()
-        return len(messages)
-
-    async def dead_letters(
-        self, limit: int, match: DeadLetterFilter | None = None, *, scan: int = DEFAULT_SCAN
-    ) -> list[DeadLetterInfo]:
-        """Peek (no lock, no delivery count) at up to ``scan`` dead letters; keep the matching."""
-        receiver = self._dead_letter_receiver()
-        letters: list[DeadLetterInfo] = []
-        scanned = 0
-        try:
-            async with self._translated("peeking at dead letters"):
-                await receiver.__aenter__()
-                sequence = 0
-                while len(letters) < limit and scanned < scan:
-                    page = await receiver.peek_messages(
-                        min(100, scan - scanned), sequence_number=sequence
-                    )
-                    if not page:
-                        break
-                    scanned += len(page)
-                    found = (self._info(message) for message in page)
-                    letters.extend(f for f in found if match is None or match(f))
-                    sequence = (page[-1].sequence_number or 0) + 1
-        finally:
-            await _quietly(receiver.close())
-        return letters[:limit]
-
-    def _info(self, message: ServiceBusReceivedMessage) -> DeadLetterInfo:
-        reason = message.dead_letter_reason or "unknown"
-        if message.dead_letter_error_description:
-            reason = f"{reason}: {message.dead_letter_error_description}"
-        return DeadLetterInfo(
-            default_message_id(message),
-            self._type_of(message),
-            reason,
-            body_of(message),
-            application_properties(message),
-            # Service Bus records no dead-letter time: the time the message was enqueued
-            message.enqueued_time_utc,
-        )
-
-    async def resubmit(
-        self, limit: int, match: DeadLetterFilter | None = None, *, scan: int = DEFAULT_SCAN
-    ) -> int:
-        """Copy each matching dead letter to the entity, then complete it.
-
-        A crash in between duplicates (the inbox absorbs it). Dead letters that do
-        not match stay locked until the scan ends, then are abandoned: they keep
-        their sequence numbers (their order), and their delivery count grows by one,
-        which nothing acts on in a dead-letter queue.
-        """
-        receiver = self._dead_letter_receiver()
-        moved = scanned = 0
-        held: list[ServiceBusReceivedMessage] = []
-        try:
-            async with self._translated("re-submitting dead letters"):
-                await receiver.__aenter__()
-                while moved < limit and scanned < scan:
-                    wanted = limit - moved if match is None else scan - scanned
-                    batch = await receiver.receive_messages(
-                        min(_SEND_CHUNK, wanted), max_wait_time=self.settings.receive_wait
-                    )
-                    if not batch:
-                        break
-                    scanned += len(batch)
-                    chosen: list[ServiceBusReceivedMessage] = []
-                    for message in batch:
-                        wanted_more = moved + len(chosen) < limit
-                        if wanted_more and (match is None or match(self._info(message))):
-                            chosen.append(message)
-                        else:
-                            held.append(message)
-                    if chosen:
-                        await self.send([_copy(message) for message in chosen])
-                        for message in chosen:
-                            await receiver.complete_message(message)
-                        moved += len(chosen)
-        finally:
-            for message in held:
-                await _quietly(receiver.abandon_message(message))
-            await _quietly(receiver.close())
-        return moved
-
-    @contextlib.asynccontextmanager
-    async def _translated(self, what: str) -> AsyncIterator[None]:
-        """Service Bus errors become :class:`BrokerUnavailable`, naming the entity."""
-        try:
-            yield
-        except ServiceBusError as exc:
-            entity = self.settings.queue or f"{self.settings.topic}/{self.settings.subscription}"
-            raise BrokerUnavailable(f"service bus {entity!r}, {what}: {_describe(exc)}") from None
-
-    async def close(self) -> None:
-        if self._client is not None:
-            await _quietly(self._client.close())
-        if self._on_close is not None:
-            await self._on_close()
-
-
-def _copy(message: ServiceBusReceivedMessage) -> ServiceBusMessage:
-    properties: dict[str | bytes, Any] = {
-        k: v
-        for k, v in application_properties(message).items()
-        if k.encode() not in (DEAD_LETTER_REASON, DEAD_LETTER_DESCRIPTION)
-        and k not in _WORKER_PROPERTIES  # a resubmitted dead letter starts from delivery 1
-    }
-    return ServiceBusMessage(
-        body_of(message),
-        message_id=default_message_id(message),
-        subject=message.subject,
-        content_type=message.content_type,
-        correlation_id=message.correlation_id,
-        application_properties=properties,
-    )
-
-
-def _simple(value: Any) -> Any:
-    """Application property values must be simple AMQP types."""
-    if value is None or isinstance(value, str | bytes | int | float | bool):
-        return value
-    return json.dumps(value, default=str)
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-async def _quietly(closing: Awaitable[Any]) -> None:
-    """Close something that may already be broken; there is nobody to report a failure to."""
-    try:
-        async with asyncio.timeout(10.0):
-            await closing
-    except Exception:  # a broken connection fails its own close
-        pass
-
-
-# -- module entry points ---------------------------------------------------------
-
-
-def load_settings() -> ServiceBusSettings:
-    return load(ServiceBusSettings).check()
-
-
-def open_broker(
-    settings: Settings,
-    *,
-    servicebus: ServiceBusSettings | None = None,
-    client_factory: ClientFactory | None = None,
-) -> ServiceBusConsumer:
-    """``WORKER_BROKER=servicebus``; tests pass their own settings and client factory."""
-    sb = servicebus or load_settings()
-    on_close = None
-    if client_factory is None:
-        connector = Connector(sb)
-        client_factory, on_close = connector, connector.close
-    if settings.max_deliveries >= sb.entity_max_delivery_count:
-        get_logger(broker="servicebus").warning(
-            "WORKER_MAX_DELIVERIES is not below the entity's MaxDeliveryCount: the entity may "
-            "dead-letter a message before the pump can say why",
-            max_deliveries=settings.max_deliveries,
-            entity_max_delivery_count=sb.entity_max_delivery_count,
-        )
-    identity = load_identity(settings.message_id_func, default_message_id)
-    return ServiceBusConsumer(sb, client_factory, identity=identity, on_close=on_close)
-
-
-def open_admin(
-    settings: Settings,
-    *,
-    servicebus: ServiceBusSettings | None = None,
-    client_factory: ClientFactory | None = None,
-) -> ServiceBusAdmin:
-    sb = servicebus or load_settings()
-    on_close = None
-    if client_factory is None:
-        connector = Connector(sb)
-        client_factory, on_close = connector, connector.close
-    return ServiceBusAdmin(sb, client_factory, on_close=on_close)
-
-
-__all__ = [
-    "Client",
-    "ClientFactory",
-    "Connector",
-    "Receiver",
-    "Sender",
-    "ServiceBusAdmin",
-    "ServiceBusConsumer",
-    "ServiceBusSettings",
-    "default_message_id",
-    "open_admin",
-    "open_broker",
-]
+__all__ = ["ServiceBusConsumer"]

@@ -1,0 +1,202 @@
+"""The consumer's bookkeeping of one partition it owns, and of one record it handed out.
+
+A :class:`Partition` holds what was fetched and not handed out yet (bounded in records and
+bytes), which records are out, and the commit point: the end of the contiguous settled
+prefix, one record at a time, a batch, or a window of keys. A :class:`Handle` is the
+adapter's own object behind one delivery; the pump hands it back to settle the record.
+Kept apart from the consumer because it is plain data: no client, no I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from worker.brokers.kafka.offsets import Slot
+
+
+class Partition:
+    """What this member knows about one partition it owns, for one assignment."""
+
+    __slots__ = (
+        "batch",
+        "busy",
+        "bytes",
+        "claimed",
+        "committed",
+        "done",
+        "generation",
+        "handed",
+        "idle",
+        "inflight",
+        "keyed",
+        "keys",
+        "not_before",
+        "owned",
+        "records",
+        "refetch",
+        "reserved",
+        "reserving",
+        "rewind",
+        "rewind_to",
+        "settled",
+        "slot",
+        "span",
+        "stored",
+        "suspect_through",
+        "tp",
+        "window",
+        "windowed",
+    )
+
+    def __init__(
+        self, tp: Any, generation: int, keyed: bool = False, span: int = 500, batch: int = 1
+    ) -> None:
+        self.tp = tp
+        self.generation = generation  # of the group, when this member got the partition
+        self.records: deque[Any] = deque()  # fetched, not handed out (again) yet
+        self.bytes = 0  # the size of what ``records`` holds
+        self.owned = True
+        self.inflight = 0  # records handed out and not settled yet
+        self.busy = False  # inflight > 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.rewind: asyncio.TimerHandle | None = None  # nacked: waiting to seek back
+        self.settled: int | None = None  # the next offset to commit
+        self.committed: int | None = None  # what this member last committed
+        # WORKER_KAFKA_ORDERING=key: one record per key in flight, several per partition.
+        self.keyed = keyed
+        self.window: deque[int] = deque()  # offsets fetched and not committable yet, in order
+        self.done: set[int] = set()  # settled offsets inside the window
+        self.keys: dict[bytes | None, int] = {}  # key -> the offset that holds it
+        self.not_before: dict[int, float] = {}  # nacked offset -> when it may go again
+        self.span = span  # records handed out lie within this many of the commit point
+        # Partition order with batches: up to ``batch`` contiguous records out at once.
+        self.batch = 1 if keyed else max(1, batch)
+        self.windowed = keyed or self.batch > 1  # several out: track the settled prefix
+        self.rewind_to: int | None = None  # the offset the pending rewind seeks to
+        # Database offsets and counts (worker.brokers.kafka.offsets): the partition's row
+        # as this member claimed it; nothing is handed out before the claim.
+        self.claimed = True
+        self.refetch: int | None = None  # fetched before the claim, dropped: read it again
+        self.slot: Slot | None = None
+        self.stored: int | None = None  # the offset this member last stored
+        self.suspect_through = -1  # offsets up to here may have been started before
+        self.reserved = -1  # offsets up to here are recorded as possibly started
+        self.reserving = False
+        self.handed = -1  # the highest offset handed out
+
+    @property
+    def size(self) -> int:
+        """Records counted against ``max_buffered``: key mode counts the whole window."""
+        return len(self.window) if self.keyed else len(self.records)
+
+    @property
+    def label(self) -> str:
+        return f"{self.tp.topic}/{self.tp.partition}"
+
+    def push(self, records: Iterable[Any]) -> None:
+        for record in records:
+            self.records.append(record)
+            self.bytes += _size(record)
+            if self.windowed:
+                self.window.append(record.offset)
+
+    def pop(self) -> Any:
+        record = self.records.popleft()
+        self.bytes -= _size(record)
+        return record
+
+    def drop(self) -> None:
+        self.records.clear()
+        self.bytes = 0
+        self.window.clear()
+        self.done.clear()
+        self.keys.clear()
+        self.not_before.clear()
+
+    # -- key mode --
+
+    def next_index(self, now: float) -> int | None:
+        """The first buffered record whose key is free (or its own) and not backing off.
+
+        Scanning in offset order keeps each key's records in order: a later record
+        of a key never passes an earlier one, which holds the key or comes first.
+        Only the first ``span`` records of the window are candidates: behind a slow
+        key, what runs ahead of the commit point (and would run again after a
+        crash) stays bounded, whatever one fetch brought.
+        """
+        last = self.window[self.span - 1] if len(self.window) > self.span else None
+        for index, record in enumerate(self.records):
+            if last is not None and record.offset > last:
+                return None
+            holder = self.keys.get(record.key)
+            if holder is not None and holder != record.offset:
+                continue
+            if self.not_before.get(record.offset, 0.0) > now:
+                continue
+            return index
+        return None
+
+    def take(self, index: int) -> Any:
+        record = self.records[index]
+        del self.records[index]
+        self.bytes -= _size(record)
+        self.keys[record.key] = record.offset
+        self.not_before.pop(record.offset, None)
+        return record
+
+    def put_back(self, record: Any, due: float) -> None:
+        """A nacked record waits in the buffer, in offset order, still holding its key."""
+        index = next((i for i, r in enumerate(self.records) if r.offset > record.offset), None)
+        self.records.insert(len(self.records) if index is None else index, record)
+        self.bytes += _size(record)
+        self.not_before[record.offset] = due
+
+    def prefix_with(self, offsets: Iterable[int]) -> int | None:
+        """The commit point if ``offsets`` (one transaction's records) settled too.
+
+        None: that transaction's records do not extend the settled prefix.
+        """
+        mine = set(offsets)
+        if not self.windowed:  # one record out at a time: it is the prefix's next one
+            return max(mine) + 1
+        end = None
+        for offset in self.window:
+            if offset not in self.done and offset not in mine:
+                break
+            end = offset + 1
+        return end
+
+    def settle(self, record: Any) -> None:
+        """Release the record's key; the commit point moves over the settled prefix."""
+        if self.keys.get(record.key) == record.offset:
+            del self.keys[record.key]
+        self.done.add(record.offset)
+        while self.window and self.window[0] in self.done:
+            first = self.window.popleft()
+            self.done.discard(first)
+            self.settled = first + 1
+
+
+def _size(record: Any) -> int:
+    """Bytes a buffered record holds: key, value and headers."""
+    size = len(record.key or b"") + len(record.value or b"")
+    return size + sum(len(k) + len(v or b"") for k, v in record.headers or ())
+
+
+class Handle:
+    """One record handed out: the adapter's own object behind a delivery, settled through it."""
+
+    __slots__ = ("attempt", "message_id", "partition", "record")
+
+    def __init__(
+        self, partition: Partition, record: Any, attempt: int, message_id: str | None
+    ) -> None:
+        self.partition = partition
+        self.record = record
+        self.attempt = attempt
+        self.message_id = message_id

@@ -1,0 +1,199 @@
+"""``worker publish`` and ``worker dlq`` on RabbitMQ: the :class:`~worker.brokers.Admin`.
+
+Short-lived and separate from the consumer: an operator tool opens a plain connection,
+declares the topology (so it works before any worker ran), does its job and leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import aio_pika
+from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage, AbstractQueue
+from aiormq.exceptions import DeliveryError
+
+from worker.brokers import (
+    DEFAULT_SCAN,
+    DeadLetterFilter,
+    DeadLetterInfo,
+    IdentityFunc,
+    OutgoingMessage,
+)
+from worker.brokers.rabbitmq.messages import (
+    REASON_HEADER,
+    _copy,
+    _dead_lettered_at,
+    _header,
+    _int,
+    message_type,
+)
+from worker.brokers.rabbitmq.settings import (
+    _LOST,
+    RabbitMQSettings,
+    _connect_args,
+    _start_failure,
+)
+from worker.brokers.rabbitmq.topology import declare_topology
+from worker.errors import BrokerUnavailable, ConfigurationError
+from worker.logs import scrub
+
+_PUBLISH_BATCH = 256
+
+
+class RabbitMQAdmin:
+    """``worker publish`` and ``worker dlq``: short-lived, plain (not robust) connection."""
+
+    def __init__(self, settings: RabbitMQSettings, identity: IdentityFunc) -> None:
+        self.settings = settings
+        self.identity = identity
+        self._connection: AbstractConnection | None = None
+        self._channel: AbstractChannel | None = None
+
+    async def _open(self) -> AbstractChannel:
+        if self._channel is None:
+            try:
+                self._connection = await aio_pika.connect(
+                    self.settings.url, **_connect_args(self.settings)
+                )
+                self._channel = await self._connection.channel(on_return_raises=True)
+                await declare_topology(self._channel, self.settings)
+            except _LOST as exc:
+                await self.close()
+                raise _start_failure(self.settings, exc) from None
+        return self._channel
+
+    async def publish(self, messages: list[OutgoingMessage]) -> int:
+        """Publish to the exchange with the type as routing key, in confirmed batches."""
+        channel = await self._open()
+        settings = self.settings
+        if settings.exchange:
+            exchange = await channel.get_exchange(settings.exchange, ensure=False)
+        else:
+            exchange = channel.default_exchange
+
+        async def send(item: OutgoingMessage) -> None:
+            message = aio_pika.Message(
+                item.body,
+                headers=dict(item.headers),
+                message_id=item.message_id,
+                type=item.type,
+                content_type="application/json",
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            )
+            key = item.type if settings.exchange else settings.queue
+            try:
+                await exchange.publish(message, key)
+            except DeliveryError:  # returned: unroutable
+                raise ConfigurationError(
+                    f"WORKER_RABBITMQ_BINDING_KEYS={settings.binding_keys}: routing key {key!r} "
+                    f"(message {item.message_id!r}) reaches no queue"
+                ) from None
+
+        confirmed = 0
+        for start in range(0, len(messages), _PUBLISH_BATCH):
+            batch = messages[start : start + _PUBLISH_BATCH]
+            try:
+                await asyncio.gather(*(send(m) for m in batch))
+            except _LOST as exc:  # the connection went away (a broker restart, say)
+                raise BrokerUnavailable(
+                    f"publishing to {settings.exchange or settings.queue!r}: {scrub(str(exc))} "
+                    f"({confirmed} confirmed before)"
+                ) from None
+            confirmed += len(batch)
+        return confirmed
+
+    async def dead_letters(
+        self, limit: int, match: DeadLetterFilter | None = None, *, scan: int = DEFAULT_SCAN
+    ) -> list[DeadLetterInfo]:
+        """Peek: take up to ``scan`` unacked, keep the matching ones, then give them all back.
+
+        The dead-letter queue is a classic queue: a message taken unacked and given
+        back by closing the channel returns to its place, and nothing counts it.
+        """
+        letters: list[DeadLetterInfo] = []
+        async with self._scanning() as dead:
+            for _ in range(scan):
+                if len(letters) >= limit:
+                    break
+                message = await dead.get(no_ack=False, fail=False)
+                if message is None:
+                    break
+                letter = self._describe(message)
+                if match is None or match(letter):
+                    letters.append(letter)
+        return letters
+
+    async def resubmit(
+        self, limit: int, match: DeadLetterFilter | None = None, *, scan: int = DEFAULT_SCAN
+    ) -> int:
+        """Move matching dead letters to the work queue with a fresh delivery count.
+
+        Each is taken unacked, copied (publisher-confirmed), then acked; the others
+        stay unacked until the scan ends and return to their places, in order.
+        """
+        channel = await self._open()
+        moved = 0
+        async with self._scanning() as dead:
+            for _ in range(scan):
+                if moved >= limit:
+                    break
+                message = await dead.get(no_ack=False, fail=False)
+                if message is None:
+                    break
+                if match is not None and not match(self._describe(message)):
+                    continue
+                resubmits = _int((message.headers or {}).get("x-worker-resubmitted")) + 1
+                copy = _copy(message, **{"x-worker-resubmitted": resubmits})
+                try:
+                    await channel.default_exchange.publish(copy, self.settings.queue)
+                    await message.ack()
+                except _LOST as exc:
+                    raise BrokerUnavailable(
+                        f"re-submitting to {self.settings.queue!r}: {scrub(str(exc))} "
+                        f"({moved} moved before)"
+                    ) from None
+                moved += 1
+        return moved
+
+    @contextlib.asynccontextmanager
+    async def _scanning(self) -> AsyncIterator[AbstractQueue]:
+        """The dead-letter queue on a channel of its own: closing it gives back what was taken."""
+        await self._open()
+        assert self._connection is not None
+        scan = None
+        try:
+            scan = await self._connection.channel(publisher_confirms=False)
+            yield await scan.get_queue(self.settings.dead_letter_queue, ensure=False)
+        except _LOST as exc:
+            raise BrokerUnavailable(
+                f"reading {self.settings.dead_letter_queue!r}: {scrub(str(exc))}"
+            ) from None
+        finally:
+            if scan is not None:
+                with contextlib.suppress(*_LOST):
+                    await scan.close()  # unacked messages return to the queue
+
+    def _describe(self, message: AbstractIncomingMessage) -> DeadLetterInfo:
+        headers = dict(message.headers or {})
+        reason = _header(headers, REASON_HEADER)
+        deaths = headers.get("x-death")
+        first = deaths[0] if isinstance(deaths, list) and deaths else None
+        first = first if isinstance(first, dict) else {}
+        if reason is None:  # dead-lettered by the broker itself (a policy, a TTL)
+            reason = f"broker: {_header(first, 'reason') or 'unknown'} in {_header(first, 'queue')}"
+        return DeadLetterInfo(
+            self.identity(message),
+            message_type(message),
+            reason,
+            message.body,
+            headers,
+            _dead_lettered_at(headers, first) or message.timestamp,
+        )
+
+    async def close(self) -> None:
+        if self._connection is not None:
+            with contextlib.suppress(*_LOST):
+                await self._connection.close()
+        self._connection = self._channel = None
