@@ -16,9 +16,7 @@ from aiohttp import web
 from sqlalchemy import Table, event, func, insert, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from worker.inbox import InboxMarker
-
-INBOX: Table = InboxMarker.__table__  # type: ignore[assignment]
+from tests.support.database import INBOX
 
 
 class MailServer:

@@ -19,6 +19,7 @@ import pytest
 from tests.concurrency.concurrency_helpers import MailServer, inbox_rows
 from tests.concurrency.test_side_effect_claims import BODY, claim_settings, mail_registry
 from tests.support.processes import clean_env
+from tests.support.pumps import MakeSettings, RunPumps
 from worker.brokers.memory import MemoryBroker
 from worker.db import create_engine
 
@@ -57,7 +58,11 @@ async def start_replica(cut: str, database_url: str, server: MailServer) -> Any:
 
 @pytest.mark.parametrize("cut", ["before-call", "after-call"])
 async def test_sigkill_between_phases(
-    cut: str, database_url: str, make_settings: Any, run_pumps: Any, mail_server: MailServer
+    cut: str,
+    database_url: str,
+    make_settings: MakeSettings,
+    run_pumps: RunPumps,
+    mail_server: MailServer,
 ) -> None:
     replica = await start_replica(cut, database_url, mail_server)
     try:

@@ -25,7 +25,9 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from tests.concurrency.concurrency_helpers import INBOX, inbox_rows
+from tests.concurrency.concurrency_helpers import inbox_rows
+from tests.support.database import INBOX
+from tests.support.pumps import MakeSettings, RunPumps
 from worker import claims, cli, retention, sweeper
 from worker.brokers.memory import MemoryBroker
 from worker.claims import ClaimContext, side_effect
@@ -110,7 +112,7 @@ async def add_claim(
 
 
 async def test_a_replica_that_lost_its_claim_commits_none_of_its_writes(
-    engine: AsyncEngine, make_settings: Any
+    engine: AsyncEngine, make_settings: MakeSettings
 ) -> None:
     async with engine.begin() as connection:
         await connection.execute(text("CREATE TABLE claim_ledger (owner VARCHAR(200) NOT NULL)"))
@@ -173,7 +175,7 @@ async def test_a_replica_that_lost_its_claim_commits_none_of_its_writes(
 
 
 async def test_the_mark_goes_before_the_handlers_writes_on_postgresql(
-    postgres_only_url: str, make_settings: Any
+    postgres_only_url: str, make_settings: MakeSettings
 ) -> None:
     """A's finish waits on a business-row lock until its lease is over and B has taken over.
 
@@ -231,7 +233,7 @@ async def test_the_mark_goes_before_the_handlers_writes_on_postgresql(
 
 
 async def test_a_poison_claim_is_abandoned_and_never_redriven(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     async def decline(ctx: ClaimContext, message: Pay) -> str:
         raise Poison("provider: HTTP 422 card declined")
@@ -261,7 +263,7 @@ async def test_a_poison_claim_is_abandoned_and_never_redriven(
 
 
 async def test_a_failure_on_the_last_delivery_abandons_the_claim(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     async def fail(ctx: ClaimContext, message: Pay) -> str:
         raise RuntimeError("provider unreachable")
@@ -284,7 +286,7 @@ async def test_a_failure_on_the_last_delivery_abandons_the_claim(
 
 
 async def test_the_sweeper_abandons_claims_out_of_attempts_and_redrives_the_others(
-    engine: AsyncEngine, make_settings: Any
+    engine: AsyncEngine, make_settings: MakeSettings
 ) -> None:
     """The hopeless claim is the most overdue: with ``limit=1`` it would hide the other one
     forever if the sweeper only skipped it."""
@@ -330,7 +332,7 @@ async def test_only_one_new_delivery_takes_over_an_abandoned_claim(database_url:
 
 
 async def test_abandoned_claims_are_listed_then_purged_with_the_finished_markers(
-    engine: AsyncEngine, make_settings: Any, capsys: pytest.CaptureFixture[str]
+    engine: AsyncEngine, make_settings: MakeSettings, capsys: pytest.CaptureFixture[str]
 ) -> None:
     await add_claim(engine, "old", state="abandoned", age=timedelta(days=2), outcome="failed: x")
     await add_claim(engine, "recent", state="abandoned", attempts=2, age=timedelta(minutes=30))
@@ -374,7 +376,7 @@ async def hang(ctx: ClaimContext, message: Pay) -> str:
 
 
 async def test_a_call_that_timed_out_keeps_its_lease_and_comes_back_after_it(
-    engine: AsyncEngine, make_settings: Any
+    engine: AsyncEngine, make_settings: MakeSettings
 ) -> None:
     """A timeout says "outcome unknown", not "failed": the provider may still be sending."""
     calls: Counter[str] = Counter()
@@ -395,7 +397,7 @@ async def test_a_call_that_timed_out_keeps_its_lease_and_comes_back_after_it(
 
 
 async def test_a_call_that_timed_out_on_the_last_delivery_is_abandoned_with_its_lease(
-    engine: AsyncEngine, make_settings: Any
+    engine: AsyncEngine, make_settings: MakeSettings
 ) -> None:
     """Dead-lettered (the pump does it, from the TimeoutError) and abandoned, but even a
     re-submitted dead letter waits for the lease before it calls again."""
@@ -451,7 +453,7 @@ async def claim_behind_blocker(
 
 
 async def test_the_call_ends_before_a_lease_that_a_slow_claim_shortened(
-    engine: AsyncEngine, make_settings: Any
+    engine: AsyncEngine, make_settings: MakeSettings
 ) -> None:
     """Issue 15, suspected and confirmed: the lease starts with the claim's statement, the
     call timeout used to start when its commit returned. The claim here waits 1 s for
@@ -479,7 +481,7 @@ async def test_the_call_ends_before_a_lease_that_a_slow_claim_shortened(
 
 
 async def test_a_lease_spent_by_the_claim_itself_is_given_back_uncounted_without_a_call(
-    engine: AsyncEngine, make_settings: Any
+    engine: AsyncEngine, make_settings: MakeSettings
 ) -> None:
     async def send(ctx: ClaimContext, message: Pay) -> str:
         return "paid"
@@ -502,7 +504,7 @@ DSN = "postgresql://ledger:S3cr3tPassw0rd@db/x"
 
 
 async def test_claim_outcomes_are_scrubbed_in_the_inbox_and_in_worker_sweep(
-    engine: AsyncEngine, make_settings: Any, capsys: pytest.CaptureFixture[str]
+    engine: AsyncEngine, make_settings: MakeSettings, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # "failed: RuntimeError: " + 206 characters + "postgresql://ledger:": the 255-character cut
     # falls inside the password, where a scrub after cutting would no longer see a URL
@@ -553,7 +555,7 @@ async def test_claim_outcomes_are_scrubbed_in_the_inbox_and_in_worker_sweep(
 
 
 async def test_worker_sweep_scrubs_outcomes_stored_before_scrubbing_was_done(
-    engine: AsyncEngine, make_settings: Any, capsys: pytest.CaptureFixture[str]
+    engine: AsyncEngine, make_settings: MakeSettings, capsys: pytest.CaptureFixture[str]
 ) -> None:
     await add_claim(engine, "old-stale", age=timedelta(minutes=5), outcome=f"failed: {DSN}")
     await add_claim(engine, "old-gone", state="abandoned", outcome=f"failed: {DSN}")
@@ -568,7 +570,7 @@ async def test_worker_sweep_scrubs_outcomes_stored_before_scrubbing_was_done(
 
 
 async def test_waiting_for_someone_elses_live_claim_is_not_counted(
-    engine: AsyncEngine, make_settings: Any
+    engine: AsyncEngine, make_settings: MakeSettings
 ) -> None:
     calls: Counter[str] = Counter()
     _, handler = pay_registry(calls, hang)
@@ -581,7 +583,7 @@ async def test_waiting_for_someone_elses_live_claim_is_not_counted(
 
 
 async def test_contention_on_the_claim_itself_is_given_back_uncounted(
-    database_url: str, make_settings: Any
+    database_url: str, make_settings: MakeSettings
 ) -> None:
     """SQLite: the write lock stays taken past the busy timeout. PostgreSQL: a deadlock
     (raised by a trigger, as the server reports one: SQLSTATE 40P01)."""
@@ -631,7 +633,7 @@ class VersionedWallet(Base):
 
 
 async def test_a_call_whose_writes_lose_to_another_writer_is_given_back_uncounted(
-    database_url: str, make_settings: Any
+    database_url: str, make_settings: MakeSettings
 ) -> None:
     """The call succeeded, then its write met a version conflict: nothing was recorded.
     The lease goes at once (the call is over) and the delivery comes back uncounted while
@@ -681,7 +683,7 @@ async def test_a_call_whose_writes_lose_to_another_writer_is_given_back_uncounte
 
 
 async def test_a_call_whose_writes_the_database_refuses_abandons_its_claim(
-    database_url: str, make_settings: Any
+    database_url: str, make_settings: MakeSettings
 ) -> None:
     """The call succeeded, then its write carries a value the database refuses for good
     (an integer beyond 64 bits: SQLSTATE class 22 on PostgreSQL, OverflowError on SQLite).

@@ -11,6 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from structlog.testing import capture_logs
 
 from handlers.pricing import ChangeProductPrice, Product, change_price
+from tests.support.pumps import MakeSettings, RunPumps
 from worker.brokers.memory import MemoryBroker
 from worker.registry import Context, Registry
 from worker.rejections import Rejection
@@ -57,7 +58,9 @@ def command(price: str, expected: int, product_id: str = "p1") -> dict[str, Any]
     return {"product_id": product_id, "price": price, "expected_version": expected}
 
 
-async def run(engine: AsyncEngine, make_settings: Any, run_pumps: Any, *messages: Any) -> Any:
+async def run(
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps, *messages: Any
+) -> Any:
     broker = MemoryBroker()
     async with run_pumps([broker.connect()], [engine], pricing_registry(), make_settings()) as [
         pump
@@ -69,7 +72,7 @@ async def run(engine: AsyncEngine, make_settings: Any, run_pumps: Any, *messages
 
 
 async def test_a_matching_version_is_applied(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     await seed(engine)
     _, broker = await run(engine, make_settings, run_pumps, ("m1", command("12.50", 1)))
@@ -79,7 +82,7 @@ async def test_a_matching_version_is_applied(
 
 
 async def test_a_stale_sender_is_rejected_recorded_acked_and_not_retried(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     await seed(engine, price="20.00", version=2)  # someone changed it after the sender looked
     with capture_logs() as logs:
@@ -107,7 +110,7 @@ async def test_a_stale_sender_is_rejected_recorded_acked_and_not_retried(
 
 
 async def test_the_guard_is_the_senders_version_not_a_fresh_read(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     """The trap: guard on the version just loaded and the stale decision wins anyway."""
     await seed(engine, price="20.00", version=2)
@@ -126,7 +129,7 @@ async def test_the_guard_is_the_senders_version_not_a_fresh_read(
 
 
 async def test_concurrent_senders_with_one_expected_version_apply_once(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     await seed(engine)
     broker = MemoryBroker()
@@ -144,7 +147,7 @@ async def test_concurrent_senders_with_one_expected_version_apply_once(
 
 
 async def test_a_no_op_does_not_move_the_version_and_large_versions_compare_by_value(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     await seed(engine, price="10.00", version=100_000)
     pump, _ = await run(
@@ -160,7 +163,7 @@ async def test_a_no_op_does_not_move_the_version_and_large_versions_compare_by_v
 
 
 async def test_a_missing_product_is_recorded_as_deleted(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     pump, broker = await run(engine, make_settings, run_pumps, ("m1", command("1.00", 3, "gone")))
     assert await rejections(engine) == [("m1", "pricing", "deleted", "products:gone", 3, None)]
@@ -178,7 +181,7 @@ async def test_a_missing_product_is_recorded_as_deleted(
     ],
 )
 async def test_a_malformed_command_is_dead_lettered(
-    body: dict[str, Any], engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    body: dict[str, Any], engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     _, broker = await run(engine, make_settings, run_pumps, ("m1", body))
     [letter] = broker.dead_letters

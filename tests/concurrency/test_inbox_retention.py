@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,8 +13,10 @@ from sqlalchemy import select, text
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tests.concurrency.concurrency_helpers import INBOX, add_marker, count
+from tests.concurrency.concurrency_helpers import add_marker, count
+from tests.support.database import INBOX
 from tests.support.processes import json_env, run_cli
+from tests.support.pumps import MakeSettings
 from tests.support.waiting import wait_for
 from worker import retention
 from worker.db import create_engine
@@ -24,7 +27,7 @@ from worker.settings import Settings
 DAY = timedelta(days=1)
 
 
-def short_window(make_settings: Any, **overrides: Any) -> Settings:
+def short_window(make_settings: MakeSettings, **overrides: Any) -> Settings:
     """A redelivery window of 10 minutes (1 min x 5 deliveries + 5 min TTL), kept 1 hour."""
     values: dict[str, Any] = {
         "broker_lock_timeout": timedelta(minutes=1),
@@ -62,7 +65,7 @@ def test_the_window_is_computed_from_the_broker_and_a_shorter_one_is_refused() -
         Settings(inbox_retention=timedelta(days=20))  # default window is 21 days 2.5 hours
 
 
-def test_a_short_retention_stops_the_worker_at_start_with_one_line(tmp_path: Any) -> None:
+def test_a_short_retention_stops_the_worker_at_start_with_one_line(tmp_path: Path) -> None:
     done = run_cli(
         json_env(
             {
@@ -88,7 +91,7 @@ def test_a_call_timeout_longer_than_the_lease_is_refused() -> None:
 
 
 async def test_purge_removes_old_finished_markers_in_batches_and_keeps_everything_else(
-    engine: AsyncEngine, make_settings: Any
+    engine: AsyncEngine, make_settings: MakeSettings
 ) -> None:
     for n in range(10):
         await add_marker(engine, f"old-{n:02}", age=2 * DAY)
@@ -109,7 +112,7 @@ async def test_purge_removes_old_finished_markers_in_batches_and_keeps_everythin
 
 
 async def test_one_run_is_bounded_and_the_next_run_continues(
-    engine: AsyncEngine, make_settings: Any
+    engine: AsyncEngine, make_settings: MakeSettings
 ) -> None:
     for n in range(10):
         await add_marker(engine, f"old-{n:02}", age=2 * DAY)
@@ -122,7 +125,7 @@ async def test_one_run_is_bounded_and_the_next_run_continues(
 
 
 async def test_two_concurrent_purgers_do_not_both_run(
-    database_url: str, make_settings: Any
+    database_url: str, make_settings: MakeSettings
 ) -> None:
     engines = [create_engine(database_url), create_engine(database_url)]
     try:
@@ -153,7 +156,7 @@ async def test_advisory_locks_are_postgresql_only(engine: AsyncEngine) -> None:
 
 
 async def test_a_purge_cancelled_mid_run_does_not_keep_the_lock(
-    postgres_only_url: str, make_settings: Any
+    postgres_only_url: str, make_settings: MakeSettings
 ) -> None:
     engine = create_engine(postgres_only_url)
     try:
@@ -180,7 +183,9 @@ async def test_a_purge_cancelled_mid_run_does_not_keep_the_lock(
         await engine.dispose()
 
 
-async def test_housekeeping_purges_periodically(engine: AsyncEngine, make_settings: Any) -> None:
+async def test_housekeeping_purges_periodically(
+    engine: AsyncEngine, make_settings: MakeSettings
+) -> None:
     """What ``worker run`` starts beside the ops server (cli._run), not inside the pump."""
     from worker.db import session_factory
     from worker.logs import get_logger
@@ -255,7 +260,7 @@ async def test_the_purge_walks_the_processed_at_index_on_postgresql(postgres_onl
 
 
 async def test_the_cutoff_comes_from_the_database_clock_not_the_workers(
-    engine: AsyncEngine, make_settings: Any, monkeypatch: pytest.MonkeyPatch
+    engine: AsyncEngine, make_settings: MakeSettings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A worker whose clock runs a day ahead must not purge markers the window still needs:
     ``processed_at`` is stamped by the database, so the cutoff is computed from its clock."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from decimal import Decimal
 from typing import Any, cast
 
@@ -21,6 +21,8 @@ from sqlalchemy.orm.exc import StaleDataError
 from handlers.credit import Account, CreditRequested
 from handlers.pricing import Product
 from tests.concurrency.concurrency_helpers import count, record_statements
+from tests.support.database import ACCOUNTS
+from tests.support.pumps import MakeSettings, RunPumps
 from worker import concurrency, rejections
 from worker.brokers.memory import MemoryBroker
 from worker.concurrency import Policy, RowChanged, save
@@ -30,7 +32,6 @@ from worker.registry import Context, Registry
 from worker.retry import backoff
 
 PRODUCTS = cast(Table, Product.__table__)
-ACCOUNTS = cast(Table, Account.__table__)
 
 
 async def seed(engine: AsyncEngine, version: int = 1) -> None:
@@ -89,7 +90,7 @@ class Attempt:
 
 
 @pytest.fixture
-async def a(engine: AsyncEngine) -> Any:
+async def a(engine: AsyncEngine) -> AsyncIterator[Attempt]:
     await seed(engine)
     attempt = Attempt(engine)
     yield attempt
@@ -97,7 +98,7 @@ async def a(engine: AsyncEngine) -> Any:
 
 
 async def test_database_wins_raises_a_conflict_the_pump_retries(
-    engine: AsyncEngine, a: Any
+    engine: AsyncEngine, a: Attempt
 ) -> None:
     product = await a.load()
     await theirs(engine, name="lantern")
@@ -110,7 +111,7 @@ async def test_database_wins_raises_a_conflict_the_pump_retries(
 
 
 async def test_client_wins_adopts_the_current_token_and_writes_our_whole_row(
-    engine: AsyncEngine, a: Any
+    engine: AsyncEngine, a: Attempt
 ) -> None:
     product = await a.load()
     await theirs(engine, name="lantern", price=Decimal("12.00"))
@@ -122,7 +123,7 @@ async def test_client_wins_adopts_the_current_token_and_writes_our_whole_row(
 
 
 async def test_merge_keeps_their_untouched_fields_and_our_changed_ones(
-    engine: AsyncEngine, a: Any
+    engine: AsyncEngine, a: Attempt
 ) -> None:
     """A row-wide token makes independent fields collide; merge resolves that without a loss."""
     product = await a.load()
@@ -135,7 +136,7 @@ async def test_merge_keeps_their_untouched_fields_and_our_changed_ones(
 
 
 async def test_merge_fails_only_when_both_changed_one_field_differently(
-    engine: AsyncEngine, a: Any
+    engine: AsyncEngine, a: Attempt
 ) -> None:
     product = await a.load()
     await theirs(engine, price=Decimal("12.00"))
@@ -148,7 +149,7 @@ async def test_merge_fails_only_when_both_changed_one_field_differently(
 
 
 async def test_merge_compares_by_value_so_an_equal_change_is_no_conflict(
-    engine: AsyncEngine, a: Any
+    engine: AsyncEngine, a: Attempt
 ) -> None:
     product = await a.load()
     await theirs(engine, price=Decimal("11.0"))  # the same value, another object and scale
@@ -161,7 +162,7 @@ async def test_merge_compares_by_value_so_an_equal_change_is_no_conflict(
 
 @pytest.mark.parametrize("policy", list(Policy))
 async def test_a_vanished_row_is_deleted_not_changed(
-    policy: Policy, engine: AsyncEngine, a: Any
+    policy: Policy, engine: AsyncEngine, a: Attempt
 ) -> None:
     product = await a.load()
     async with engine.begin() as connection:
@@ -174,7 +175,7 @@ async def test_a_vanished_row_is_deleted_not_changed(
 
 
 async def test_a_no_op_writes_nothing_and_leaves_other_readers_valid(
-    engine: AsyncEngine, a: Any
+    engine: AsyncEngine, a: Attempt
 ) -> None:
     statements = record_statements(engine)
     other = Attempt(engine)
@@ -207,7 +208,7 @@ async def test_large_tokens_are_compared_by_value(engine: AsyncEngine) -> None:
 
 
 async def test_resolution_is_bounded_and_backs_off_with_jitter(
-    engine: AsyncEngine, a: Any, monkeypatch: pytest.MonkeyPatch
+    engine: AsyncEngine, a: Attempt, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A hot row that changes before every write: give up after ``attempts``, no livelock.
 
@@ -284,7 +285,7 @@ def account_registry(calls: Counter[str], deleting: AsyncEngine, mode: str) -> R
 
 @pytest.mark.parametrize("mode", ["deleted", "changed"])
 async def test_pump_reports_a_deleted_row_and_retries_a_changed_one(
-    mode: str, engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    mode: str, engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     async with engine.begin() as connection:
         await connection.execute(insert(ACCOUNTS).values(id="a", balance=0, version=1))
@@ -315,7 +316,7 @@ async def test_pump_reports_a_deleted_row_and_retries_a_changed_one(
 
 
 async def test_pump_retries_a_helper_conflict_and_records_a_merge_conflict(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     await seed(engine)
     calls: Counter[str] = Counter()

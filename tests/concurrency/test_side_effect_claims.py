@@ -21,15 +21,15 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from handlers.credit import CreditRequested, apply_credit
 from handlers.notify import SendWelcomeEmail, send_welcome_email
 from tests.concurrency.concurrency_helpers import (
-    INBOX,
     MailServer,
     add_marker,
     count,
     inbox_rows,
     record_statements,
 )
+from tests.support.database import INBOX
 from tests.support.processes import json_env, run_cli
-from tests.support.pumps import running_pump
+from tests.support.pumps import MakeSettings, RunPumps, running_pump
 from tests.support.waiting import wait_for
 from worker import claims, sweeper
 from worker.brokers.memory import MemoryBroker
@@ -43,7 +43,7 @@ BODY = {"user_id": "u1", "email": "u1@example.com"}
 LOG = get_logger(test="claims")
 
 
-def claim_settings(make_settings: Any, **overrides: Any) -> Settings:
+def claim_settings(make_settings: MakeSettings, **overrides: Any) -> Settings:
     """Short claim timings. The mail API's URL is the notify handler's own setting, not the
     worker's: the mail_server fixture hands it to the handler."""
     values: dict[str, Any] = {
@@ -76,7 +76,7 @@ def mail_registry(gate: Any = None) -> Registry:
 
 
 async def test_two_replicas_racing_on_one_message_make_one_call(
-    database_url: str, make_settings: Any, run_pumps: Any, mail_server: MailServer
+    database_url: str, make_settings: MakeSettings, run_pumps: RunPumps, mail_server: MailServer
 ) -> None:
     mail_server.delay = 0.3  # the first call is still running when the twin arrives
     # a call timeout well above the call's 0.3 s, so a loaded machine does not time it out
@@ -109,7 +109,7 @@ async def test_two_replicas_racing_on_one_message_make_one_call(
 
 
 async def test_a_finished_claim_is_acked_without_a_call(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any, mail_server: MailServer
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps, mail_server: MailServer
 ) -> None:
     broker = MemoryBroker()
     settings = claim_settings(make_settings)
@@ -124,7 +124,7 @@ async def test_a_finished_claim_is_acked_without_a_call(
 
 
 async def test_a_live_claim_is_left_to_its_owner_and_nacked_with_a_delay(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any, mail_server: MailServer
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps, mail_server: MailServer
 ) -> None:
     await add_marker(
         engine, "welcome-1", consumer="welcome-email", state="claimed", lease=timedelta(seconds=30)
@@ -141,7 +141,7 @@ async def test_a_live_claim_is_left_to_its_owner_and_nacked_with_a_delay(
 
 
 async def test_waiting_for_a_live_claim_spends_no_delivery(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any, mail_server: MailServer
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps, mail_server: MailServer
 ) -> None:
     """Rule 13: with one delivery allowed, the wait for another replica's lease used to
     spend it, and the message was dead-lettered "exhausted" instead of being sent."""
@@ -162,7 +162,11 @@ async def test_waiting_for_a_live_claim_spends_no_delivery(
 
 @pytest.mark.parametrize("cut", ["before-call", "after-call"])
 async def test_a_crash_between_phases_still_ends_in_one_effect(
-    cut: str, database_url: str, make_settings: Any, run_pumps: Any, mail_server: MailServer
+    cut: str,
+    database_url: str,
+    make_settings: MakeSettings,
+    run_pumps: RunPumps,
+    mail_server: MailServer,
 ) -> None:
     """Cut between claim and call: the call happens once, one lease later. Cut between call
     and mark: the call is repeated with the same key, and the provider applies it once."""
@@ -199,7 +203,7 @@ async def test_a_crash_between_phases_still_ends_in_one_effect(
 
 
 async def test_a_failing_server_is_retried_and_never_marked_processed(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any, mail_server: MailServer
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps, mail_server: MailServer
 ) -> None:
     mail_server.fail = 2
     broker = MemoryBroker()
@@ -221,7 +225,7 @@ async def test_a_failing_server_is_retried_and_never_marked_processed(
 
 
 async def test_a_server_failing_for_good_dead_letters_and_leaves_an_unfinished_claim(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any, mail_server: MailServer
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps, mail_server: MailServer
 ) -> None:
     """Out of deliveries and out of attempts: the sweeper gives the claim up without a call;
     re-submitting the dead letter (a new delivery of the same id) takes it over and finishes."""
@@ -259,7 +263,7 @@ async def test_a_server_failing_for_good_dead_letters_and_leaves_an_unfinished_c
 
 
 async def test_a_hanging_server_times_out_keeps_the_claim_and_is_called_again_after_the_lease(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any, mail_server: MailServer
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps, mail_server: MailServer
 ) -> None:
     """The server answers the first call after 1.2 s: later than the 1 s call timeout,
     within the 1.5 s lease. The second call comes only once the lease is over."""
@@ -315,7 +319,7 @@ class SlowProvider:
 
 
 async def test_a_timed_out_call_keeps_its_lease_so_one_key_is_never_called_twice_at_once(
-    database_url: str, make_settings: Any, run_pumps: Any, mail_server: MailServer
+    database_url: str, make_settings: MakeSettings, run_pumps: RunPumps, mail_server: MailServer
 ) -> None:
     """Issue 15 item 2, scaled down from a 10 s lease, 1 s call timeout and 2.5 s provider
     call: when a timeout released the lease, each redelivery took the claim over at once,
@@ -350,7 +354,7 @@ async def test_a_timed_out_call_keeps_its_lease_so_one_key_is_never_called_twice
 
 
 async def test_a_refusing_server_dead_letters_at_once(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any, mail_server: MailServer
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps, mail_server: MailServer
 ) -> None:
     mail_server.fail, mail_server.fail_status = 1, 422
     broker = MemoryBroker()
@@ -389,7 +393,7 @@ async def test_only_one_replica_takes_over_an_expired_claim(database_url: str) -
 
 
 async def test_a_claim_that_lost_its_lease_cannot_release_the_new_owners(
-    engine: AsyncEngine, make_settings: Any
+    engine: AsyncEngine, make_settings: MakeSettings
 ) -> None:
     sessions = session_factory(engine)
     first = await claims.acquire(sessions, "m1", "mail", lease=0.05)
@@ -435,7 +439,7 @@ def test_worker_sweep_lists_stale_claims_as_json(database_url: str) -> None:
 
 
 async def test_regular_markers_are_finished_at_insert_with_no_extra_statement(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     statements = record_statements(engine)
     registry = Registry()
@@ -461,7 +465,7 @@ async def test_regular_markers_are_finished_at_insert_with_no_extra_statement(
 
 
 async def test_a_call_cut_by_shutdown_keeps_its_lease_and_stays_unfinished(
-    engine: AsyncEngine, make_settings: Any, mail_server: MailServer
+    engine: AsyncEngine, make_settings: MakeSettings, mail_server: MailServer
 ) -> None:
     """Cancelled mid-call: nothing is released or marked; the lease runs out, then a takeover."""
     mail_server.hang, mail_server.hang_for = 1, 1.0
@@ -484,7 +488,7 @@ def test_a_side_effect_handler_cannot_skip_the_inbox() -> None:
 
 
 async def test_the_idempotency_key_is_the_message_id_on_every_delivery(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any, mail_server: MailServer
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps, mail_server: MailServer
 ) -> None:
     """Rule 9: not the delivery count, a correlation id or a receive time, which all change."""
     mail_server.fail = 2

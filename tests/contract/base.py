@@ -25,6 +25,8 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from handlers.credit import CreditRequested, apply_credit
+from tests.support.credits import credit
+from tests.support.pumps import running_pump
 from tests.support.waiting import wait_for
 from worker.brokers import Broker, DeadLetterInfo, OutgoingMessage
 from worker.pump import Pump
@@ -68,13 +70,6 @@ class Harness(abc.ABC):
 
 BATCH_MODE: dict[str, Any] = {"batch_size": 4, "batch_wait": 0.05}
 """The suite in batch mode: deliveries of one type share transactions, four at most."""
-
-
-def credit(
-    message_id: str | None, account: str, amount: str, type: str = "CreditRequested"
-) -> OutgoingMessage:
-    body = json.dumps({"account_id": account, "amount": amount}).encode()
-    return OutgoingMessage(message_id, type, body)
 
 
 class Recorder:
@@ -131,25 +126,14 @@ class Bench:
         """Run one pump (``overrides`` on its settings) until ``until(pump)``, then stop it
         gracefully."""
         settings = self.settings(**overrides)
-        pump = Pump(
+        async with running_pump(
             self.harness.broker(settings),
             self.engine,
             credit_registry(self.recorder),
             settings,
             name=f"contract-{self.harness.name}",
-        )
-        task = asyncio.create_task(pump.run())
-        try:
-            await wait_for(
-                lambda: until(pump) or task.done(), self.harness.patience, what, step=0.02
-            )
-            if task.done():
-                task.result()  # a pump that died says why
-                pytest.fail(f"the pump stopped before {what}")
-        finally:
-            pump.stop()
-            async with asyncio.timeout(settings.grace_period + 30):
-                await task
+        ) as pump:
+            await wait_for(lambda: until(pump), self.harness.patience, what, step=0.02)
         return pump
 
     async def balances(self) -> dict[str, Decimal]:

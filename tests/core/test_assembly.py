@@ -3,24 +3,16 @@ in the pump; ``async with pump.running():`` is the embedder's way to run one."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from handlers.credit import CreditRequested, apply_credit
+from tests.support.credits import credit_registry
+from tests.support.pumps import MakeSettings
 from worker.brokers.memory import MemoryBroker
 from worker.cli import assemble
 from worker.errors import BrokerUnavailable
 from worker.metrics import PUMPS
 from worker.pump import Pump
-from worker.registry import Registry
-
-
-def credit_registry() -> Registry:
-    registry = Registry()
-    registry.handler("CreditRequested", CreditRequested, consumer="credit")(apply_credit)
-    return registry
 
 
 def tracked(pump: Pump) -> bool:
@@ -28,7 +20,7 @@ def tracked(pump: Pump) -> bool:
 
 
 async def test_a_bare_pump_has_no_tracing_and_exports_nothing(
-    engine: AsyncEngine, make_settings: Any
+    engine: AsyncEngine, make_settings: MakeSettings
 ) -> None:
     pump = Pump(MemoryBroker().connect(), engine, credit_registry(), make_settings(tracing=True))
     assert pump.tracing is None  # the pump does not read WORKER_TRACING
@@ -36,7 +28,7 @@ async def test_a_bare_pump_has_no_tracing_and_exports_nothing(
 
 
 async def test_assemble_wires_tracing_and_the_metrics_export(
-    engine: AsyncEngine, make_settings: Any
+    engine: AsyncEngine, make_settings: MakeSettings
 ) -> None:
     broker = MemoryBroker().connect()
     traced = assemble(make_settings(tracing=True), broker, engine, credit_registry())
@@ -46,7 +38,7 @@ async def test_assemble_wires_tracing_and_the_metrics_export(
 
 
 async def test_running_consumes_inside_the_block_and_stops_on_the_way_out(
-    engine: AsyncEngine, make_settings: Any
+    engine: AsyncEngine, make_settings: MakeSettings
 ) -> None:
     broker = MemoryBroker()
     pump = Pump(broker.connect(), engine, credit_registry(), make_settings())
@@ -58,7 +50,9 @@ async def test_running_consumes_inside_the_block_and_stops_on_the_way_out(
     assert [verb for verb, _, _ in broker.history] == ["ack"]
 
 
-async def test_running_raises_a_failed_start(engine: AsyncEngine, make_settings: Any) -> None:
+async def test_running_raises_a_failed_start(
+    engine: AsyncEngine, make_settings: MakeSettings
+) -> None:
     consumer = MemoryBroker().connect()
 
     async def refuse(prefetch: int) -> None:

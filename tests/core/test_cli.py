@@ -3,27 +3,13 @@
 from __future__ import annotations
 
 import sqlite3
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.processes import clean_env, worker_cli
+from tests.support.processes import clean_env, json_env, run_cli
 from worker.logs import scrub
-
-
-def worker(
-    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 60
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        worker_cli(*args),
-        env={**clean_env(), **(env or {})},
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 @pytest.mark.parametrize(
@@ -48,7 +34,7 @@ def worker(
 def test_bad_configuration_stops_at_start_with_one_line(
     variable: str, value: str, complaint: str, tmp_path: Path
 ) -> None:
-    result = worker("run", env={variable: value}, cwd=tmp_path)
+    result = run_cli({**clean_env(), variable: value}, "run", cwd=tmp_path)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -59,7 +45,7 @@ def test_bad_configuration_stops_at_start_with_one_line(
 
 
 def test_migrate_creates_the_schema(tmp_path: Path) -> None:
-    result = worker("migrate", env={"WORKER_LOG_FORMAT": "json"}, cwd=tmp_path)
+    result = run_cli(json_env(), "migrate", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     tables = {
         row[0]
@@ -72,7 +58,7 @@ def test_migrate_creates_the_schema(tmp_path: Path) -> None:
 
 
 def test_demo_shows_the_naive_handler_wrong_and_the_worker_exact(tmp_path: Path) -> None:
-    result = worker("demo", "--messages", "200", cwd=tmp_path)
+    result = run_cli(clean_env(), "demo", "--messages", "200", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     table = dict(
         (line[:30].strip(), line[30:].split())
@@ -90,9 +76,7 @@ def test_demo_shows_the_naive_handler_wrong_and_the_worker_exact(tmp_path: Path)
 
 def test_database_password_never_reaches_the_log(tmp_path: Path) -> None:
     url = "postgresql+asyncpg://app:hunter2@127.0.0.1:1/app"  # nothing listens on port 1
-    result = worker(
-        "run", env={"WORKER_DATABASE_URL": url, "WORKER_LOG_FORMAT": "json"}, cwd=tmp_path
-    )
+    result = run_cli(json_env({"WORKER_DATABASE_URL": url}), "run", cwd=tmp_path)
     assert result.returncode == 1
     assert "database unreachable at start" in result.stderr
     assert "app:***@127.0.0.1:1/app" in result.stderr

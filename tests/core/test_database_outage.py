@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import uuid
 from decimal import Decimal
-from typing import Any
 from urllib.parse import urlsplit
 
 from sqlalchemy import select
@@ -14,13 +13,14 @@ from structlog.testing import capture_logs
 
 from handlers.credit import Account, CreditRequested, apply_credit
 from tests.support.proxy import TcpProxy
+from tests.support.pumps import MakeSettings, RunPumps
 from worker.brokers.memory import MemoryBroker
 from worker.db import create_engine
 from worker.registry import Context, Registry
 
 
 async def test_outage_pauses_intake_and_loses_nothing(
-    postgres_only_url: str, make_settings: Any, run_pumps: Any
+    postgres_only_url: str, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     target = urlsplit(postgres_only_url.replace("postgresql+asyncpg", "postgresql"))
     proxy = TcpProxy(target.port or 5432)
@@ -88,7 +88,7 @@ async def test_outage_pauses_intake_and_loses_nothing(
 
 
 async def test_too_many_connections_pauses_instead_of_dead_lettering(
-    postgres_only_url: str, make_settings: Any, run_pumps: Any
+    postgres_only_url: str, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     """SQLSTATE 53300 is the database saying "not now", not the message's fault; and
     loops already waiting for a delivery when the gate closed must hold, not burn counts."""
@@ -138,6 +138,7 @@ async def test_too_many_connections_pauses_instead_of_dead_lettering(
             await broker.wait_idle(timeout=30)
         async with admin.connect() as connection:
             total = await connection.scalar(select(Account.balance).where(Account.id == "a"))
+        assert total is not None
         assert Decimal(total) == 3 and broker.dead_letters == [], (pumps[0].stats, broker.history)
         assert pumps[0].health.outages >= 1
     finally:

@@ -4,13 +4,13 @@ by the message's own failures: an uncounted give-back refunds the count it took.
 from __future__ import annotations
 
 from decimal import Decimal
-from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.orm.exc import StaleDataError
 
 from handlers.credit import Account, CreditRequested, apply_credit
+from tests.support.pumps import MakeSettings, RunPumps
 from worker.attempts import DeliveryCount
 from worker.brokers.memory import MemoryBroker
 from worker.registry import Context, Registry
@@ -23,7 +23,7 @@ async def stored_counts(engine: AsyncEngine) -> dict[str, int]:
 
 
 async def test_uncounted_give_backs_refund_the_stored_count(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     """Four conflicts lost to other writers (retry budget spent: uncounted give-backs), then
     success: without the refund every give-back raised the stored count, and the message
@@ -57,7 +57,7 @@ async def test_uncounted_give_backs_refund_the_stored_count(
 
 
 async def test_a_failure_of_its_own_still_spends_the_stored_count(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     """The refund is for give-backs only: a handler's own exception keeps the count."""
     seen: list[int] = []

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import random
 from decimal import Decimal
-from typing import Any
 
 from sqlalchemy import func, select
 
 from handlers.credit import Account, CreditRequested, apply_credit
+from tests.support.pumps import MakeSettings, RunPumps
 from worker.brokers.memory import MemoryBroker
 from worker.db import create_engine
 from worker.inbox import InboxMarker
@@ -18,7 +18,7 @@ MESSAGES, ACCOUNTS = 2_000, 20
 
 
 async def test_two_pumps_2000_messages_with_duplicates_and_races(
-    database_url: str, make_settings: Any, run_pumps: Any
+    database_url: str, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     rng = random.Random(2026)
     expected = {f"acct-{n}": Decimal(0) for n in range(ACCOUNTS)}

@@ -23,10 +23,9 @@ from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from handlers.credit import Account
+from tests.support.database import ACCOUNTS, INBOX
 from tests.support.processes import free_port
 from worker.db import Failure, classify, create_engine, from_database
-from worker.inbox import InboxMarker
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -52,11 +51,11 @@ def code_of(exc: BaseException) -> str | None:
 
 
 def account(id: str = "a", balance: Decimal = Decimal(0)) -> Any:
-    return Account.__table__.insert().values(id=id, balance=balance, version=1)
+    return ACCOUNTS.insert().values(id=id, balance=balance, version=1)
 
 
 def marker(message_id: str = "m-1", consumer: str = "credit") -> Any:
-    return InboxMarker.__table__.insert().values(message_id=message_id, consumer=consumer)
+    return INBOX.insert().values(message_id=message_id, consumer=consumer)
 
 
 async def in_transaction(engine: AsyncEngine, *statements: Any) -> None:

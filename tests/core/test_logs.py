@@ -122,7 +122,7 @@ def test_nesting_is_bounded_and_other_objects_are_scrubbed_by_their_repr() -> No
             return "Settings(database_url='postgresql://a:hunter2@h/d')"
 
     assert scrub_value(Settings()) == "Settings(database_url='postgresql://a:***@h/d')"
-    plain = Settings.__new__(type("Plain", (), {}))
+    plain: object = Settings.__new__(type("Plain", (), {}))
     assert scrub_value(plain) is plain  # nothing to hide: the renderer shows it as always
     assert scrub_value(RuntimeError("refused: amqp://u:hunter2@mq/")) == (
         "RuntimeError: refused: amqp://u:***@mq/"

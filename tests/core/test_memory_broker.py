@@ -97,7 +97,7 @@ async def test_copies_are_producer_duplicates_and_to_all_reaches_every_consumer(
     broker.publish("both", "T", b"{}", to_all=True)
     got_a = [(await a.receive()).message_id for _ in range(len(a.unsettled))]
     got_b = [(await b.receive()).message_id for _ in range(len(b.unsettled))]
-    assert sorted(got_a + got_b) == ["both", "both", "dup", "dup"]
+    assert sorted(got_a + got_b, key=str) == ["both", "both", "dup", "dup"]
     assert "both" in got_a and "both" in got_b
 
 

@@ -9,12 +9,14 @@ import tempfile
 from collections import Counter
 from decimal import Decimal
 from pathlib import Path
+from typing import TypedDict
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import func, select
 
 from handlers.credit import Account, CreditRequested, apply_credit
+from tests.support.pumps import running_pumps
 from worker.brokers.memory import MemoryBroker
 from worker.db import create_engine
 from worker.inbox import InboxMarker
@@ -22,7 +24,16 @@ from worker.pump import Pump
 from worker.registry import Context, Registry
 from worker.settings import Settings
 
-MISBEHAVIOUR = {
+
+class Misbehaviour(TypedDict, total=False):
+    """What :meth:`MemoryBroker.publish` may do wrong with a message."""
+
+    copies: int
+    to_all: bool
+    lose_acks: int
+
+
+MISBEHAVIOUR: dict[str, Misbehaviour] = {
     "plain": {},
     "producer-retry": {"copies": 2},
     "both-replicas": {"to_all": True},
@@ -56,19 +67,13 @@ async def scenario(url: str, stream: list[tuple[str, int, str]]) -> None:
     engines = [create_engine(url, pool_size=4) for _ in range(2)]
     config = Settings(database_url=url, concurrency=4, max_attempts=20, retry_backoff=0.001)
     pumps = [Pump(broker.connect(), engine, registry, config) for engine in engines]
-    tasks = [asyncio.create_task(pump.run()) for pump in pumps]
     expected: Counter[str] = Counter()
-    try:
-        await asyncio.gather(*(pump.started.wait() for pump in pumps))
+    async with running_pumps(pumps):
         for n, (account, cents, how) in enumerate(stream):
             expected[account] += cents
             body = {"account_id": account, "amount": str(Decimal(cents) / 100)}
             broker.publish(f"m{n}-{how}", "CreditRequested", body, **MISBEHAVIOUR[how])
         await broker.wait_idle(timeout=60)
-    finally:
-        for pump in pumps:
-            pump.stop()
-        await asyncio.gather(*tasks)
     async with engines[0].connect() as connection:
         rows = await connection.execute(select(Account.id, Account.balance))
         balances = {row.id: int(Decimal(row.balance) * 100) for row in rows}

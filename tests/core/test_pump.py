@@ -13,6 +13,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.orm.attributes import set_committed_value
 
 from handlers.credit import Account, CreditRequested, apply_credit
+from tests.support.database import ACCOUNTS, INBOX
+from tests.support.pumps import MakeSettings, RunPumps
 from worker import inbox
 from worker.brokers.memory import MemoryBroker
 from worker.db import insert_ignoring_conflicts
@@ -112,16 +114,16 @@ TABLE: list[tuple[str | None, str, bytes, list[str]]] = [
 ]
 
 
-async def test_settlement_table(engine: AsyncEngine, make_settings: Any, run_pumps: Any) -> None:
+async def test_settlement_table(
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
+) -> None:
     async with engine.begin() as connection:
         await connection.execute(
             text("CREATE TABLE orders (id INTEGER PRIMARY KEY, number VARCHAR(20) UNIQUE)")
         )
         await connection.execute(text("INSERT INTO orders (id, number) VALUES (1, 'A-1')"))
-        await connection.execute(
-            InboxMarker.__table__.insert().values(message_id="dup", consumer="credit")
-        )
-        await connection.execute(Account.__table__.insert().values(id="s", balance=0, version=1))
+        await connection.execute(INBOX.insert().values(message_id="dup", consumer="credit"))
+        await connection.execute(ACCOUNTS.insert().values(id="s", balance=0, version=1))
     calls: Counter[str] = Counter()
     settings = make_settings(max_deliveries=3, max_attempts=2, retry_budget=2.0)
     broker = MemoryBroker()
@@ -155,7 +157,7 @@ async def test_settlement_table(engine: AsyncEngine, make_settings: Any, run_pum
 
 
 async def test_business_unique_violation_is_never_a_duplicate(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     """Another table with the very same column names and its own unique constraint."""
     async with engine.begin() as connection:
@@ -201,7 +203,7 @@ async def test_handler_cannot_end_the_pumps_transaction(engine: AsyncEngine) -> 
 
 
 async def test_retry_runs_on_a_fresh_session(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     """After a failed flush the old session still holds its pending objects; the retry
     must not see them (MassTransit#4474)."""
@@ -231,7 +233,10 @@ async def test_retry_runs_on_a_fresh_session(
 
 
 async def test_redelivery_uses_the_fast_path_and_first_delivery_does_not(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any, monkeypatch: pytest.MonkeyPatch
+    engine: AsyncEngine,
+    make_settings: MakeSettings,
+    run_pumps: RunPumps,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     checks: list[str] = []
     real_seen, real_probe = inbox.seen, inbox.mark_redelivery
@@ -259,7 +264,7 @@ async def test_redelivery_uses_the_fast_path_and_first_delivery_does_not(
 
 
 async def test_each_consumer_keeps_its_own_marker(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     """Two handlers of one type: the second fails once; on the redelivery the first
     is deduplicated by its own marker and only the second runs again."""
@@ -289,7 +294,7 @@ async def test_each_consumer_keeps_its_own_marker(
 
 
 async def test_opt_out_handler_writes_no_marker(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     registry = Registry()
 
@@ -310,7 +315,7 @@ async def test_opt_out_handler_writes_no_marker(
 
 
 async def test_past_max_deliveries_is_dead_lettered_before_running(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     """A message that kills the process never reaches the failure path; its count does."""
     runs: list[int] = []
@@ -336,7 +341,7 @@ async def test_past_max_deliveries_is_dead_lettered_before_running(
 
 @pytest.mark.parametrize("sqlstate", ["40001", "40P01"])
 async def test_serialization_failure_and_deadlock_are_retried(
-    postgres_only_url: str, sqlstate: str, make_settings: Any, run_pumps: Any
+    postgres_only_url: str, sqlstate: str, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     from worker.db import create_engine
 
@@ -370,7 +375,7 @@ async def test_serialization_failure_and_deadlock_are_retried(
 
 
 async def test_in_process_attempts_exhausted_nack_then_succeed(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     """A hot row that keeps conflicting: retries until the time budget is spent, then the
     broker redelivers it with its delivery count unspent (contention is no fault of its own)."""
@@ -398,7 +403,7 @@ async def test_in_process_attempts_exhausted_nack_then_succeed(
 
 
 async def test_graceful_stop_settles_in_flight_and_leaves_the_rest(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     started = asyncio.Event()
     registry = Registry()
@@ -421,7 +426,7 @@ async def test_graceful_stop_settles_in_flight_and_leaves_the_rest(
 
 
 async def test_a_failing_receive_does_not_retire_the_worker(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     broker = MemoryBroker()
     consumer = broker.connect()
@@ -446,7 +451,7 @@ async def test_a_failing_receive_does_not_retire_the_worker(
 
 @pytest.mark.parametrize("door", ["run_sync", "sync_session", "connection"])
 async def test_side_doors_to_commit_are_closed_too(
-    door: str, engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    door: str, engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     """A commit inside a handler would keep its writes although the message then fails."""
     registry = Registry()

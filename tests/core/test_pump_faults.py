@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import MutableMapping
 from typing import Any
 
 import pytest
@@ -16,7 +16,11 @@ from sqlalchemy.orm.attributes import set_committed_value
 from structlog.testing import capture_logs
 
 from handlers.credit import Account, CreditRequested, apply_credit
+from tests.support.credits import credit_registry
+from tests.support.database import ACCOUNTS
 from tests.support.processes import free_port
+from tests.support.pumps import MakeSettings, RunPumps
+from tests.support.waiting import wait_for
 from worker.brokers.memory import MemoryBroker, MemoryConsumer
 from worker.delivery import Delivery
 from worker.errors import AlreadySettled, Poison
@@ -37,19 +41,6 @@ def counts(broker: MemoryBroker, message_id: str) -> list[int]:
 async def row_count(engine: AsyncEngine, model: Any) -> int:
     async with engine.connect() as connection:
         return int(await connection.scalar(select(func.count()).select_from(model)) or 0)
-
-
-async def until(condition: Callable[[], bool], timeout: float = 20.0) -> None:  # noqa: ASYNC109
-    """Poll a pump's counters (bounded): they have no event to wait on."""
-    async with asyncio.timeout(timeout):
-        while not condition():  # noqa: ASYNC110
-            await asyncio.sleep(0.01)
-
-
-def credit_registry() -> Registry:
-    registry = Registry()
-    registry.handler("Credit", CreditRequested, consumer="credit")(apply_credit)
-    return registry
 
 
 class Faulty:
@@ -122,15 +113,18 @@ class Faulty:
 
 @pytest.mark.parametrize("fault", ["twice", "guard"])
 async def test_a_double_settlement_is_logged_as_a_bug_and_counted(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any, fault: str
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps, fault: str
 ) -> None:
     broker = MemoryBroker()
     faulty = Faulty(broker.connect(), **{fault: {"m-1"}})
+    registry = credit_registry("Credit")
     with capture_logs() as logs:
-        async with run_pumps([faulty], [engine], credit_registry(), make_settings()) as [pump]:
+        async with run_pumps([faulty], [engine], registry, make_settings()) as [pump]:
             broker.publish("m-1", "Credit", BODY)
             broker.publish("m-2", "Credit", BODY)
-            await until(lambda: pump.stats["settled-twice"] == 1)
+            await wait_for(
+                lambda: pump.stats["settled-twice"] == 1, 20.0, "the second settle", step=0.01
+            )
             await broker.wait_idle(timeout=10)
     assert verbs(broker, "m-1") == ["ack"] and verbs(broker, "m-2") == ["ack"]
     assert pump.stats["settled-twice"] == 1
@@ -146,14 +140,14 @@ async def test_a_double_settlement_is_logged_as_a_bug_and_counted(
 
 
 async def test_an_adapter_whose_nack_raises_does_not_end_the_worker_loop(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     broker = MemoryBroker()
     # an unusable type makes the pump fail unexpectedly; its fallback nack then raises too
     faulty = Faulty(broker.connect(), bad_type={"bug"}, nack_fails={"bug"})
     settings = make_settings(concurrency=1)  # one worker loop: it must survive
     with capture_logs() as logs:
-        async with run_pumps([faulty], [engine], credit_registry(), settings) as [pump]:
+        async with run_pumps([faulty], [engine], credit_registry("Credit"), settings) as [pump]:
             broker.publish("bug", "Credit", BODY)
             for n in range(3):
                 broker.publish(f"after-{n}", "Credit", BODY)
@@ -167,13 +161,13 @@ async def test_an_adapter_whose_nack_raises_does_not_end_the_worker_loop(
 
 
 async def test_an_adapter_whose_ack_raises_does_not_end_the_worker_loop(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     broker = MemoryBroker()
     faulty = Faulty(broker.connect(), ack_fails={"m-1"})
     settings = make_settings(concurrency=1)
     with capture_logs() as logs:
-        async with run_pumps([faulty], [engine], credit_registry(), settings) as [pump]:
+        async with run_pumps([faulty], [engine], credit_registry("Credit"), settings) as [pump]:
             broker.publish("m-1", "Credit", BODY)
             broker.publish("m-2", "Credit", BODY)
             await broker.wait_idle(timeout=20)
@@ -186,7 +180,7 @@ async def test_an_adapter_whose_ack_raises_does_not_end_the_worker_loop(
 
 
 async def test_a_handlers_own_connection_refused_is_counted_not_a_pause(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     port = free_port()
     calls = Counter[str]()
@@ -218,7 +212,7 @@ async def test_a_handlers_own_connection_refused_is_counted_not_a_pause(
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 async def test_a_busy_connection_pool_spends_no_delivery(
-    database_url: str, make_settings: Any, run_pumps: Any
+    database_url: str, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     """A pool sized below the concurrency (to fit max_connections) makes an attempt wait
     for a connection; when the wait times out, that is not the message's failure."""
@@ -265,8 +259,8 @@ class Counted(BaseModel):
 )
 async def test_data_the_database_refuses_is_dead_lettered_at_once_on_postgresql(
     postgres_only_url: str,
-    make_settings: Any,
-    run_pumps: Any,
+    make_settings: MakeSettings,
+    run_pumps: RunPumps,
     body: dict[str, str],
     what: str,
 ) -> None:
@@ -275,8 +269,9 @@ async def test_data_the_database_refuses_is_dead_lettered_at_once_on_postgresql(
     engine = create_engine(postgres_only_url, pool_size=8)
     broker = MemoryBroker()
     settings = make_settings(database_url=postgres_only_url, max_deliveries=5)
+    registry = credit_registry("Credit")
     try:
-        async with run_pumps([broker.connect()], [engine], credit_registry(), settings) as [pump]:
+        async with run_pumps([broker.connect()], [engine], registry, settings) as [pump]:
             broker.publish("m-1", "Credit", body)
             broker.publish("m-2", "Credit", BODY)  # the valid one behind it
             await broker.wait_idle(timeout=20)
@@ -293,7 +288,7 @@ async def test_data_the_database_refuses_is_dead_lettered_at_once_on_postgresql(
 
 
 async def test_an_integer_beyond_64_bits_is_dead_lettered_at_once(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     async with engine.begin() as connection:
         await connection.execute(
@@ -322,11 +317,15 @@ async def test_an_integer_beyond_64_bits_is_dead_lettered_at_once(
 # -- (e) what every log line about a message carries ---------------------------------------------
 
 
-def message_lines(logs: list[dict[str, Any]], message_id: str) -> list[dict[str, Any]]:
+LogLines = list[MutableMapping[str, Any]]
+"""What structlog's ``capture_logs()`` collects: one mapping per log call."""
+
+
+def message_lines(logs: LogLines, message_id: str) -> LogLines:
     return [line for line in logs if line.get("message_id") == message_id]
 
 
-def assert_fields(line: dict[str, Any], *, consumer: str | None) -> None:
+def assert_fields(line: MutableMapping[str, Any], *, consumer: str | None) -> None:
     where = f"{line['event']!r} line: {line}"
     assert "attempt" in line and isinstance(line["attempt"], int), where
     assert isinstance(line.get("outcome"), str) and line["outcome"], where
@@ -335,7 +334,7 @@ def assert_fields(line: dict[str, Any], *, consumer: str | None) -> None:
 
 
 def fault_registry(calls: Counter[str]) -> Registry:
-    registry = credit_registry()
+    registry = credit_registry("Credit")
 
     @registry.handler("Fails", CreditRequested, consumer="fails")
     async def fails(ctx: Context, message: CreditRequested) -> None:
@@ -359,10 +358,13 @@ def fault_registry(calls: Counter[str]) -> Registry:
 
 
 async def run_logged(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any, *messages: tuple[str, str, Any]
-) -> tuple[list[dict[str, Any]], MemoryBroker]:
+    engine: AsyncEngine,
+    make_settings: MakeSettings,
+    run_pumps: RunPumps,
+    *messages: tuple[str, str, Any],
+) -> tuple[LogLines, MemoryBroker]:
     async with engine.begin() as connection:  # the account "stale" credits exists already
-        await connection.execute(Account.__table__.insert().values(id="s", balance=0, version=1))
+        await connection.execute(ACCOUNTS.insert().values(id="s", balance=0, version=1))
     broker = MemoryBroker()
     settings = make_settings(max_deliveries=2, retry_budget=0.05)
     calls: Counter[str] = Counter()
@@ -375,11 +377,13 @@ async def run_logged(
 
 
 async def test_duplicate_lines_carry_the_message_fields(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     broker = MemoryBroker()
     with capture_logs() as logs:
-        async with run_pumps([broker.connect()], [engine], credit_registry(), make_settings()):
+        async with run_pumps(
+            [broker.connect()], [engine], credit_registry("Credit"), make_settings()
+        ):
             broker.publish("dup", "Credit", BODY, copies=2)  # a producer retry
             broker.publish("lost-ack", "Credit", BODY, lose_acks=1)  # the fast path
             await broker.wait_idle(timeout=20)
@@ -390,7 +394,7 @@ async def test_duplicate_lines_carry_the_message_fields(
 
 
 async def test_failure_and_retry_lines_carry_the_message_fields(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     logs, broker = await run_logged(
         engine,
@@ -411,7 +415,7 @@ async def test_failure_and_retry_lines_carry_the_message_fields(
 
 
 async def test_dead_letter_lines_name_the_consumer_and_attempt(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     """The dead-letter line is the one an operator greps for: it must say which handler
     gave up, on which attempt, not only the message id."""
@@ -431,7 +435,7 @@ async def test_dead_letter_lines_name_the_consumer_and_attempt(
 
 
 async def test_lines_about_a_message_no_handler_took_carry_attempt_and_outcome(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     logs, broker = await run_logged(
         engine,
@@ -448,12 +452,12 @@ async def test_lines_about_a_message_no_handler_took_carry_attempt_and_outcome(
 
 
 async def test_unexpected_error_lines_carry_attempt_and_outcome(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     broker = MemoryBroker()
     faulty = Faulty(broker.connect(), bad_type={"bug"})
     with capture_logs() as logs:
-        async with run_pumps([faulty], [engine], credit_registry(), make_settings()):
+        async with run_pumps([faulty], [engine], credit_registry("Credit"), make_settings()):
             broker.publish("bug", "Credit", BODY)
             await broker.wait_idle(timeout=20)
     [line] = [x for x in message_lines(logs, "bug") if x["event"] == "unexpected error"]
@@ -462,7 +466,7 @@ async def test_unexpected_error_lines_carry_attempt_and_outcome(
 
 @pytest.mark.postgres
 async def test_paused_lines_carry_the_message_fields(
-    postgres_only_url: str, make_settings: Any, run_pumps: Any
+    postgres_only_url: str, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     from worker.db import create_engine
 
@@ -492,10 +496,10 @@ async def test_paused_lines_carry_the_message_fields(
 
 
 async def test_settlement_trouble_lines_carry_attempt_and_outcome(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     """The lines about a settlement that went wrong: settled twice, fallback failed, lost."""
-    registry = credit_registry()
+    registry = credit_registry("Credit")
 
     @registry.handler("Slow", CreditRequested, consumer="slow")
     async def slow(ctx: Context, message: CreditRequested) -> None:
@@ -509,7 +513,9 @@ async def test_settlement_trouble_lines_carry_attempt_and_outcome(
             broker.publish("twice", "Credit", BODY)
             broker.publish("bug", "Credit", BODY)
             broker.publish("slow", "Slow", BODY)
-            await until(lambda: pump.stats["settled-twice"] == 1)
+            await wait_for(
+                lambda: pump.stats["settled-twice"] == 1, 20.0, "the second settle", step=0.01
+            )
             await broker.wait_idle(timeout=20)
     assert pump.stats["settlement-lost"] >= 1 and pump.stats["settlement-failed"] >= 1
     for message_id, event in (

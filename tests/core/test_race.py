@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 from decimal import Decimal
-from typing import Any
 
 from sqlalchemy import func, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from handlers.credit import Account, CreditRequested, apply_credit
+from tests.support.database import ACCOUNTS
+from tests.support.pumps import MakeSettings, RunPumps
 from worker.brokers.memory import MemoryBroker
 from worker.db import Failure, classify, create_engine
 from worker.inbox import InboxMarker
@@ -21,7 +22,7 @@ PAUSE = 0.2  # a real pause between check and save, so both replicas really are 
 
 async def _seed(engine: AsyncEngine) -> None:
     async with engine.begin() as connection:
-        await connection.execute(Account.__table__.insert().values(id="a", balance=0, version=1))
+        await connection.execute(ACCOUNTS.insert().values(id="a", balance=0, version=1))
         await connection.execute(
             text("CREATE TABLE naive_inbox (message_id VARCHAR(255), consumer VARCHAR(255))")
         )
@@ -86,7 +87,7 @@ async def test_with_the_constraint_one_commits_and_the_other_is_a_duplicate(
 
 
 async def test_two_pumps_given_the_same_message_at_once_apply_it_once(
-    database_url: str, make_settings: Any, run_pumps: Any
+    database_url: str, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     in_handler = 0
     overlapped = False
@@ -125,7 +126,7 @@ async def test_two_pumps_given_the_same_message_at_once_apply_it_once(
 
 
 async def test_all_or_nothing_a_failed_business_write_leaves_no_marker(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     registry = Registry()
 

@@ -12,19 +12,20 @@ import asyncio
 import contextlib
 from collections import Counter
 from decimal import Decimal
-from typing import Any
 
-from sqlalchemy import func, select, text
+from sqlalchemy import select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from structlog.testing import capture_logs
 
 from handlers.credit import Account, CreditRequested, apply_credit
+from tests.support.credits import credit_registry
+from tests.support.database import marker_count
 from tests.support.proxy import proxied
+from tests.support.pumps import MakeSettings, RunPumps
 from tests.support.waiting import wait_for
 from worker.brokers.memory import MemoryBroker
 from worker.db import create_engine
-from worker.inbox import InboxMarker
 from worker.registry import Context, Registry
 
 CREDIT = {"account_id": "a", "amount": "1"}
@@ -36,24 +37,13 @@ async def balance(engine: AsyncEngine, account: str) -> Decimal:
     return Decimal(value or 0)
 
 
-async def markers(engine: AsyncEngine) -> int:
-    async with engine.connect() as connection:
-        return int(await connection.scalar(select(func.count()).select_from(InboxMarker)) or 0)
-
-
 def counts(broker: MemoryBroker) -> Counter[int]:
     """How many settlements the broker saw at each delivery count."""
     return Counter(count for _, _, count in broker.history)
 
 
-def credit_registry(**options: Any) -> Registry:
-    registry = Registry()
-    registry.handler("CreditRequested", CreditRequested, consumer="credit", **options)(apply_credit)
-    return registry
-
-
 async def test_a_database_flapping_more_often_than_max_deliveries_dead_letters_nothing(
-    postgres_only_url: str, make_settings: Any, run_pumps: Any
+    postgres_only_url: str, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     proxy, url = await proxied(postgres_only_url)
     engine = create_engine(url, pool_size=6)
@@ -75,7 +65,7 @@ async def test_a_database_flapping_more_often_than_max_deliveries_dead_letters_n
                 await proxy.start()
             await broker.wait_idle(timeout=60)
         assert await balance(direct, "a") == total
-        assert await markers(direct) == total
+        assert await marker_count(direct) == total
     finally:
         await engine.dispose()
         await direct.dispose()
@@ -88,7 +78,7 @@ async def test_a_database_flapping_more_often_than_max_deliveries_dead_letters_n
 
 
 async def test_same_key_deliveries_run_in_order_while_other_keys_flow(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     release = asyncio.Event()
     order: list[str] = []
@@ -136,7 +126,7 @@ async def test_same_key_deliveries_run_in_order_while_other_keys_flow(
 
 
 async def test_a_swallowed_database_error_is_never_acked(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     """``try: INSERT ... except IntegrityError: pass`` without a savepoint: on PostgreSQL the
     transaction is aborted and COMMIT would quietly roll back, marker and all. The pump
@@ -179,7 +169,7 @@ async def test_a_swallowed_database_error_is_never_acked(
 
 
 async def test_an_ack_lost_on_the_last_allowed_delivery_is_a_duplicate_not_a_dead_letter(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     broker = MemoryBroker()
     settings = make_settings(max_deliveries=1)
@@ -192,7 +182,7 @@ async def test_an_ack_lost_on_the_last_allowed_delivery_is_a_duplicate_not_a_dea
 
 
 async def test_over_the_limit_and_not_done_is_dead_lettered(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     """The inbox check before the over-count dead letter must not let unfinished work run."""
     registry = Registry()
@@ -212,7 +202,7 @@ async def test_over_the_limit_and_not_done_is_dead_lettered(
 
 
 async def test_a_hung_message_does_not_capture_the_pump(
-    postgres_only_url: str, make_settings: Any, run_pumps: Any
+    postgres_only_url: str, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     """Its redeliveries (the broker's lock expired) wait on its uncommitted marker only for
     WORKER_MARKER_LOCK_TIMEOUT, then go back uncounted; valid messages keep flowing."""
@@ -249,7 +239,7 @@ async def test_a_hung_message_does_not_capture_the_pump(
 
 
 async def test_a_hung_handler_is_cancelled_after_the_handler_timeout(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     """On SQLite a hung attempt holds the database's write lock: the time limit bounds it."""
     registry = Registry()
@@ -275,7 +265,7 @@ async def test_a_hung_handler_is_cancelled_after_the_handler_timeout(
 
 
 async def test_a_schema_behind_the_code_pauses_instead_of_dead_lettering(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     """A rollout ahead of its migration: a missing table is not the message's fault."""
     registry = Registry()
@@ -301,7 +291,7 @@ async def test_a_schema_behind_the_code_pauses_instead_of_dead_lettering(
 
 
 async def test_graceful_restarts_spend_no_delivery_counts(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     """Ten rolling restarts of a worker that holds a full prefetch: nothing dead-lettered,
     every message still on its first delivery by count when it finally commits."""

@@ -14,6 +14,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.orm.exc import StaleDataError
 
 from handlers.credit import Account, CreditRequested, apply_credit
+from tests.support.database import ACCOUNTS
+from tests.support.pumps import MakeSettings, RunPumps
 from worker.brokers.memory import MemoryBroker
 from worker.db import create_engine
 from worker.inbox import InboxMarker
@@ -36,7 +38,7 @@ class PlainAccount(_Unversioned):
 async def _two_writers(engine: AsyncEngine, model: Any) -> Decimal:
     """A and B read the row; A adds 10 and commits; then B adds 5 from its stale read."""
     async with engine.begin() as connection:
-        await connection.execute(Account.__table__.insert().values(id="a", balance=100, version=1))
+        await connection.execute(ACCOUNTS.insert().values(id="a", balance=100, version=1))
     async with AsyncSession(engine) as a, AsyncSession(engine) as b:
         row_a = await a.get_one(model, "a")
         row_b = await b.get_one(model, "a")
@@ -45,7 +47,9 @@ async def _two_writers(engine: AsyncEngine, model: Any) -> Decimal:
         row_b.balance += 5
         await b.commit()
     async with engine.connect() as connection:
-        return Decimal(await connection.scalar(select(Account.balance)))
+        balance = await connection.scalar(select(Account.balance))
+    assert balance is not None
+    return Decimal(balance)
 
 
 async def test_with_the_token_the_second_writer_gets_a_conflict(engine: AsyncEngine) -> None:
@@ -79,7 +83,7 @@ async def _balances(engine: AsyncEngine) -> dict[str, Decimal]:
 
 
 async def test_concurrent_credits_to_one_account_sum_exactly(
-    database_url: str, make_settings: Any, run_pumps: Any
+    database_url: str, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     stream, expected = _spread(messages=200, accounts=1)
     engines = [create_engine(database_url, pool_size=10) for _ in range(2)]
@@ -105,7 +109,7 @@ async def test_concurrent_credits_to_one_account_sum_exactly(
 
 
 async def test_pump_without_the_token_loses_updates_on_postgresql(
-    postgres_only_url: str, make_settings: Any, run_pumps: Any
+    postgres_only_url: str, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     """The same stream with an unversioned read-modify-write: PostgreSQL runs the two
     replicas' transactions truly in parallel, so credits vanish. (On SQLite the marker
@@ -124,9 +128,7 @@ async def test_pump_without_the_token_loses_updates_on_postgresql(
     engines = [create_engine(postgres_only_url, pool_size=10) for _ in range(2)]
     try:
         async with engines[0].begin() as connection:
-            await connection.execute(
-                Account.__table__.insert().values(id="acct-0", balance=0, version=1)
-            )
+            await connection.execute(ACCOUNTS.insert().values(id="acct-0", balance=0, version=1))
         broker = MemoryBroker()
         settings = make_settings(database_url=postgres_only_url, concurrency=8)
         async with run_pumps([broker.connect(), broker.connect()], engines, registry, settings):

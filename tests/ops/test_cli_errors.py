@@ -24,7 +24,7 @@ from tests.servicebus.sb_settings import sb_settings
 from tests.support.processes import clean_env, free_port, run_cli
 from tests.support.rabbitmq import guest_url
 from tests.support.services import require_service
-from worker import cli
+from worker import cli, logs
 from worker.brokers.servicebus import ServiceBusAdmin
 
 SECRET = f"S3cr3t-{uuid.uuid4().hex[:8]}"
@@ -156,7 +156,7 @@ def test_servicebus_down(
     monkeypatch.setattr("sys.stdin", io.StringIO(PUBLISH_INPUT))
     # In process: keep this test's captured stderr out of the global log setup (later
     # tests' pumps would write to it once closed), and give the root level back.
-    monkeypatch.setattr(cli.logs, "configure", lambda *_args: None)
+    monkeypatch.setattr(logs, "configure", lambda *_args: None)
     root = logging.getLogger()
     level = root.level
     try:

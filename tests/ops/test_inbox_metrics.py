@@ -9,22 +9,21 @@ from __future__ import annotations
 import asyncio
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import Table, insert
+from sqlalchemy import insert
 
 from handlers.credit import CreditRequested, apply_credit
+from tests.support.database import INBOX
 from tests.support.pumps import RunPump
 from worker.db import create_engine
 from worker.errors import Poison
-from worker.inbox import InboxMarker
 from worker.metrics import InboxCollector, InboxMonitor, PumpCollector, read_inbox_health
 from worker.registry import Context, Registry
 
 RETENTION = timedelta(days=1)
-_inbox = cast(Table, InboxMarker.__table__)
 
 
 def _ago(**delta: float) -> datetime:
@@ -52,7 +51,7 @@ async def _fill(url: str) -> None:
     engine = create_engine(url, pool_size=1)
     try:
         async with engine.begin() as connection:
-            await connection.execute(insert(_inbox), rows)
+            await connection.execute(insert(INBOX), rows)
     finally:
         await engine.dispose()
 

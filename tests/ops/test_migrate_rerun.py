@@ -16,7 +16,7 @@ import asyncpg
 import pytest
 
 from tests.ops.deploy_helpers import cli_env, dsn, throwaway_database
-from tests.support.processes import REPO, arun_cli, worker_cli
+from tests.support.processes import REPO, arun_cli, run_cli, worker_cli
 from tests.support.waiting import wait_for
 from worker.migrate import heads, upgrade
 
@@ -177,13 +177,5 @@ def test_sqlite_migrations_are_rerunnable_too(tmp_path: Path) -> None:
     upgrade(url, "0001")
     with sqlite3.connect(tmp_path / "worker.db") as connection:
         connection.execute("ALTER TABLE inbox ADD COLUMN state VARCHAR(16) DEFAULT 'finished'")
-    result = subprocess.run(
-        worker_cli("migrate"),
-        env=cli_env(url),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = run_cli(cli_env(url), "migrate")
     assert result.returncode == 0, result.stderr

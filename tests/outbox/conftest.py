@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from tests.outbox.outbox_helpers import RecordingPublisher, fast_outbox
+from tests.outbox.outbox_helpers import RecordingPublisher, RunningRelays, fast_outbox
 from worker import outbox
 from worker.outbox import OutboxSettings
 
@@ -28,7 +27,7 @@ def publisher() -> RecordingPublisher:
 
 
 @pytest.fixture
-def running_relays() -> Callable[..., Any]:
+def running_relays() -> RunningRelays:
     """``async with running_relays(relays):`` runs them as tasks and stops them on exit."""
     from contextlib import asynccontextmanager
 

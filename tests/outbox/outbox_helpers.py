@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from sqlalchemy import select
@@ -11,7 +12,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker.brokers.publishers import Outgoing
 from worker.errors import BrokerUnavailable
-from worker.outbox import OutboxMessage, OutboxSettings
+from worker.outbox import OutboxMessage, OutboxSettings, Relay
+
+RunningRelays = Callable[[list[Relay]], AbstractAsyncContextManager[list[Relay]]]
+"""The ``running_relays`` fixture (tests/outbox/conftest.py): ``running_relays(relays)``."""
 
 
 def fast_outbox(**overrides: Any) -> OutboxSettings:

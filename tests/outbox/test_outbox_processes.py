@@ -9,14 +9,14 @@ import signal
 import time
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 from tests.rabbitmq.rabbit_helpers import publish, rabbit_env, take_dead_letters
-from tests.support.database import balances, fetch, scalar
+from tests.support.database import balances, fetch, marker_count, scalar
 from tests.support.processes import WorkerProcess, free_port
+from tests.support.rabbitmq import MakeRabbitSettings
 from tests.support.waiting import wait_for
 from worker.brokers import OutgoingMessage
 from worker.brokers.rabbitmq import RabbitMQSettings
@@ -29,7 +29,8 @@ ACCOUNTS = 10
 
 def orders(seed: int = 11) -> tuple[list[OutgoingMessage], dict[str, Decimal]]:
     rng = random.Random(seed)
-    stream, expected = [], {}
+    stream: list[OutgoingMessage] = []
+    expected: dict[str, Decimal] = {}
     for n in range(ORDERS):
         account, amount = f"acct-{n % ACCOUNTS}", Decimal(rng.randint(1, 9999)) / 100
         body = json.dumps({"account_id": account, "amount": str(amount)}).encode()
@@ -41,7 +42,7 @@ def orders(seed: int = 11) -> tuple[list[OutgoingMessage], dict[str, Decimal]]:
 
 @pytest.mark.timeout(400)
 async def test_every_order_on_a_yields_exactly_one_credit_on_b_through_sigkills(
-    rabbit_settings: Any, postgres_only_url: str, tmp_path: Path
+    rabbit_settings: MakeRabbitSettings, postgres_only_url: str, tmp_path: Path
 ) -> None:
     a: RabbitMQSettings = rabbit_settings(retry_delays=[0.2, 1.0])
     b: RabbitMQSettings = rabbit_settings(
@@ -108,7 +109,7 @@ async def test_every_order_on_a_yields_exactly_one_credit_on_b_through_sigkills(
     assert not plan, f"drained before every kill: {kills}"
     assert await balances(pg) == expected
     assert await scalar(pg, credits) == ORDERS
-    assert await scalar(pg, "SELECT count(*) FROM inbox WHERE consumer = 'orders'") == ORDERS
+    assert await marker_count(pg, "consumer = 'orders'") == ORDERS
     assert await scalar(pg, "SELECT count(*) FROM outbox") == ORDERS
     assert await scalar(pg, "SELECT count(*) FROM outbox WHERE state <> 'sent'") == 0
     assert await take_dead_letters(a) == [] and await take_dead_letters(b) == []
@@ -130,7 +131,7 @@ async def test_every_order_on_a_yields_exactly_one_credit_on_b_through_sigkills(
 
 
 async def test_a_refusing_broker_leaves_readiness_alone_and_shows_the_backlog(
-    rabbit_settings: Any, postgres_only_url: str, tmp_path: Path
+    rabbit_settings: MakeRabbitSettings, postgres_only_url: str, tmp_path: Path
 ) -> None:
     a: RabbitMQSettings = rabbit_settings(binding_keys=["Order"])
     port = free_port()

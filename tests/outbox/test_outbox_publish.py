@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from collections import Counter
 from decimal import Decimal
-from typing import Any
 
 from pydantic import BaseModel
 from sqlalchemy import select
@@ -14,6 +13,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 
 from handlers.credit import Account, CreditRequested, apply_credit
 from tests.outbox.outbox_helpers import outbox_rows
+from tests.support.pumps import MakeSettings, RunPumps
 from worker.brokers.memory import MemoryBroker
 from worker.outbox import outgoing_id
 from worker.registry import Context, Registry
@@ -40,7 +40,7 @@ def publishing_registry(calls: Counter[str], *, fail_first: bool = False) -> Reg
 
 
 async def test_rows_commit_with_the_marker(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     broker = MemoryBroker()
     calls: Counter[str] = Counter()
@@ -70,7 +70,7 @@ async def test_rows_commit_with_the_marker(
 
 
 async def test_a_failed_handler_leaves_no_row_and_its_rerun_the_same_ids(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     broker = MemoryBroker()
     calls: Counter[str] = Counter()
@@ -85,7 +85,7 @@ async def test_a_failed_handler_leaves_no_row_and_its_rerun_the_same_ids(
 
 
 async def test_a_duplicate_delivery_adds_no_second_row(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     broker = MemoryBroker()
     calls: Counter[str] = Counter()
@@ -101,7 +101,7 @@ async def test_a_duplicate_delivery_adds_no_second_row(
 
 
 async def test_a_conflict_rerun_publishes_the_same_ids(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     """Every first attempt publishes, then loses a version conflict; the re-run's ids match."""
     registry = Registry()
@@ -135,7 +135,7 @@ async def test_a_conflict_rerun_publishes_the_same_ids(
 
 
 async def test_a_handler_without_inbox_publishes_once_however_often_it_runs(
-    engine: AsyncEngine, make_settings: Any, run_pumps: Any
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     registry = Registry()
     runs: Counter[str] = Counter()

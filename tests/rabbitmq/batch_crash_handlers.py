@@ -39,7 +39,7 @@ async def upsert_credits(ctx: BatchContext, messages: Sequence[CreditRequested])
         await ctx.session.execute(_UPSERT, {"a": account, "x": amount})
 
 
-HOLD = os.environ.get("WORKER_TEST_HOLD_ACKS")
+HOLD = os.environ.get("WORKER_TEST_HOLD_ACKS", "")
 if HOLD:
     from worker.batch import BatchRunner
 

@@ -10,31 +10,29 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from decimal import Decimal
 from typing import Any
 
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
 
 from handlers.credit import CreditRequested, apply_credit
+from tests.support.credits import credit as credit  # re-exported: the RabbitMQ tests' messages
 from tests.support.processes import REPO, clean_env
+from tests.support.pumps import engine_for, running_pump
 from tests.support.rabbitmq import rabbitmqctl
-from tests.support.waiting import wait_for
 from worker.brokers import OutgoingMessage
-from worker.brokers.rabbitmq import RabbitMQAdmin, RabbitMQBroker, RabbitMQSettings, make_identity
-from worker.db import create_engine
+from worker.brokers.rabbitmq import (
+    REASON_HEADER,
+    RabbitMQAdmin,
+    RabbitMQBroker,
+    RabbitMQSettings,
+    make_identity,
+)
 from worker.pump import Pump
 from worker.registry import Context, Registry
 from worker.settings import Settings
 
 # -- messages --------------------------------------------------------------------
-
-
-def credit(
-    message_id: str | None, account: str, amount: Decimal | str, type: str = "CreditRequested"
-) -> OutgoingMessage:
-    body = json.dumps({"account_id": account, "amount": str(amount)}).encode()
-    return OutgoingMessage(message_id, type, body)
 
 
 async def publish(settings: RabbitMQSettings, messages: list[OutgoingMessage]) -> None:
@@ -113,6 +111,13 @@ async def take_dead_letters(settings: RabbitMQSettings) -> list[AbstractIncoming
     return letters
 
 
+def dead_letter_reason(letter: AbstractIncomingMessage) -> str:
+    """The reason the worker stamped on a dead letter (a string header)."""
+    reason = letter.headers[REASON_HEADER]
+    assert isinstance(reason, str), reason
+    return reason
+
+
 # -- in-process pumps ----------------------------------------------------------------
 
 
@@ -141,26 +146,15 @@ def make_broker(settings: RabbitMQSettings) -> RabbitMQBroker:
 async def running(
     rabbit: RabbitMQSettings, database_url: str, registry: Registry, **overrides: Any
 ) -> AsyncIterator[Pump]:
+    """One pump on ``rabbit``'s queue, consuming inside the block (tests/support/pumps.py)."""
     values: dict[str, Any] = {"database_url": database_url, "concurrency": 4, "grace_period": 5}
     values.update(overrides)
     settings = Settings(**values)
-    engine = create_engine(database_url, pool_size=6)
-    pump = Pump(make_broker(rabbit), engine, registry, settings, name="test")
-    task = asyncio.create_task(pump.run())
-
-    def started() -> bool:
-        if task.done():
-            task.result()  # raise what stopped it
-        return pump.consuming
-
-    try:
-        await wait_for(started, 15, "the pump to start")
+    async with (
+        engine_for(database_url, pool_size=6) as engine,
+        running_pump(make_broker(rabbit), engine, registry, settings, name="test") as pump,
+    ):
         yield pump
-    finally:
-        pump.stop()
-        async with asyncio.timeout(30):
-            await task
-        await engine.dispose()
 
 
 # -- worker subprocesses ------------------------------------------------------------

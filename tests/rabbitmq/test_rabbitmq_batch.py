@@ -15,14 +15,15 @@ import aio_pika
 import pytest
 
 from tests.rabbitmq.rabbit_helpers import (
-    credit,
     credit_registry,
     make_broker,
     publish,
     running,
     take_dead_letters,
 )
+from tests.support.credits import credit
 from tests.support.database import balances
+from tests.support.rabbitmq import MakeRabbitSettings
 from tests.support.waiting import wait_for
 from worker.delivery import Delivery, ack_many
 from worker.registry import Context
@@ -47,7 +48,7 @@ async def take_all(url: str, queue: str) -> list[str]:
     return ids
 
 
-async def test_multiple_ack_covers_only_the_batch(rabbit_settings: Any) -> None:
+async def test_multiple_ack_covers_only_the_batch(rabbit_settings: MakeRabbitSettings) -> None:
     rabbit = rabbit_settings()
     await publish(rabbit, [credit(f"r-{n}", "a", "1") for n in range(9)])
     broker = make_broker(rabbit)
@@ -84,7 +85,7 @@ async def test_multiple_ack_covers_only_the_batch(rabbit_settings: Any) -> None:
 
 @pytest.mark.postgres
 async def test_a_batch_pump_acks_in_ranges_and_redelivers_the_failure(
-    rabbit_settings: Any, pg: str
+    rabbit_settings: MakeRabbitSettings, pg: str
 ) -> None:
     rabbit = rabbit_settings()
 

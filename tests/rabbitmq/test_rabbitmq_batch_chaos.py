@@ -12,20 +12,20 @@ import random
 import time
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.rabbitmq.rabbit_helpers import (
     all_depths,
-    credit,
     publish,
     rabbit_env,
     take_dead_letters,
     unsettled,
 )
-from tests.support.database import balances, scalar
+from tests.support.credits import credit
+from tests.support.database import balances, marker_count, scalar
 from tests.support.processes import Fleet
+from tests.support.rabbitmq import MakeRabbitSettings
 from tests.support.waiting import wait_for
 from worker.brokers import OutgoingMessage
 from worker.brokers.rabbitmq import RabbitMQSettings
@@ -44,7 +44,8 @@ WORKERS = "abc"
 def stream(seed: int) -> tuple[list[OutgoingMessage], dict[str, Decimal]]:
     """Half the credits through each handler shape, 30 % of all messages sent twice."""
     rng = random.Random(seed)
-    messages, expected = [], {}
+    messages: list[OutgoingMessage] = []
+    expected: dict[str, Decimal] = {}
     for n in range(UNIQUE):
         shape = "BatchCredit" if n % 2 else "BatchUpsert"
         account = f"{shape}-{n % HOT}"
@@ -57,7 +58,7 @@ def stream(seed: int) -> tuple[list[OutgoingMessage], dict[str, Decimal]]:
 
 
 async def test_batch_mode_under_kills_and_duplicates_comes_out_exact(
-    rabbit_settings: Any, rabbitmq_vhost: str, pg: str, tmp_path: Path
+    rabbit_settings: MakeRabbitSettings, rabbitmq_vhost: str, pg: str, tmp_path: Path
 ) -> None:
     seed = int(os.environ.get("WORKER_TEST_SEED", random.randrange(1 << 16)))
     rng = random.Random(seed)
@@ -77,7 +78,7 @@ async def test_batch_mode_under_kills_and_duplicates_comes_out_exact(
     started = time.monotonic()
 
     async def done() -> int:
-        return int(await scalar(pg, "SELECT count(*) FROM inbox"))
+        return await marker_count(pg)
 
     try:
         for slot in WORKERS:
@@ -121,7 +122,7 @@ async def test_batch_mode_under_kills_and_duplicates_comes_out_exact(
 
     kills = sum(event.startswith("kill") for event in fleet.events)
     assert await balances(pg) == expected, f"seed {seed}, {fleet.events}"
-    assert await scalar(pg, "SELECT count(*) FROM inbox") == UNIQUE
+    assert await marker_count(pg) == UNIQUE
     assert await scalar(pg, "SELECT count(DISTINCT message_id) FROM inbox") == UNIQUE
     assert set((await all_depths(rabbit)).values()) == {0}
     assert await take_dead_letters(rabbit) == [], f"seed {seed}: a valid message dead-lettered"

@@ -7,13 +7,14 @@ from __future__ import annotations
 import signal
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.rabbitmq.rabbit_helpers import credit, publish, rabbit_env, take_dead_letters
-from tests.support.database import balances, scalar
+from tests.rabbitmq.rabbit_helpers import publish, rabbit_env, take_dead_letters
+from tests.support.credits import credit
+from tests.support.database import balances, marker_count, scalar
 from tests.support.processes import WorkerProcess
+from tests.support.rabbitmq import MakeRabbitSettings
 from tests.support.waiting import wait_for
 from worker.brokers.rabbitmq import RabbitMQSettings
 
@@ -23,7 +24,7 @@ UNIQUE, COPIES, ACCOUNTS = 48, 8, 6
 
 
 async def test_a_kill_between_batch_commit_and_acks_leaves_only_duplicates(
-    rabbit_settings: Any, pg: str, tmp_path: Path
+    rabbit_settings: MakeRabbitSettings, pg: str, tmp_path: Path
 ) -> None:
     rabbit: RabbitMQSettings = rabbit_settings()
     stream = [
@@ -42,7 +43,7 @@ async def test_a_kill_between_batch_commit_and_acks_leaves_only_duplicates(
         counts: list[int] = []
 
         async def settled_down() -> bool:  # every worker holds a committed batch's acks
-            counts.append(await scalar(pg, "SELECT count(*) FROM inbox"))
+            counts.append(await marker_count(pg))
             return counts[-1] > 0 and counts[-10:] == [counts[-1]] * 10
 
         await wait_for(settled_down, 40, "the batches to commit and hold their acks", step=0.1)
@@ -55,7 +56,7 @@ async def test_a_kill_between_batch_commit_and_acks_leaves_only_duplicates(
         fresh = WorkerProcess(env, tmp_path / "fresh.log")
 
         async def drained() -> bool:
-            return await scalar(pg, "SELECT count(*) FROM inbox") == UNIQUE
+            return await marker_count(pg) == UNIQUE
 
         await wait_for(drained, 60, "every message", step=0.2)
         absorbed = fresh

@@ -17,21 +17,20 @@ import subprocess
 import time
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.rabbitmq.rabbit_helpers import (
     all_depths,
-    credit,
     publish,
     rabbit_env,
     take_dead_letters,
     unsettled,
 )
-from tests.support.database import balances, scalar
+from tests.support.credits import credit
+from tests.support.database import balances, marker_count, scalar
 from tests.support.processes import Fleet, events
-from tests.support.rabbitmq import arabbitmqctl
+from tests.support.rabbitmq import MakeRabbitSettings, arabbitmqctl
 from tests.support.waiting import wait_for
 from worker.brokers import OutgoingMessage
 from worker.brokers.rabbitmq import RabbitMQSettings
@@ -53,7 +52,8 @@ WORKERS = "abcd"
 def chaos_stream(seed: int) -> tuple[list[OutgoingMessage], dict[str, Decimal], int]:
     """Credits to 5 hot accounts, one credit to each of 100 cold ones, 25 % sent twice."""
     rng = random.Random(seed)
-    messages, expected = [], {}
+    messages: list[OutgoingMessage] = []
+    expected: dict[str, Decimal] = {}
     for n in range(UNIQUE):
         account = f"hot-{n % HOT}"
         amount = Decimal(rng.randint(1, 10_000)) / 100
@@ -82,13 +82,13 @@ def restart_postgres() -> None:
 
 async def progress(database_url: str) -> int | None:
     try:
-        return int(await scalar(database_url, "SELECT count(*) FROM inbox"))
+        return await marker_count(database_url)
     except Exception:  # PostgreSQL is restarting
         return None
 
 
 async def test_kills_restarts_hot_rows_and_duplicates_come_out_exact(
-    rabbit_settings: Any, rabbitmq_vhost: str, pg: str, tmp_path: Path
+    rabbit_settings: MakeRabbitSettings, rabbitmq_vhost: str, pg: str, tmp_path: Path
 ) -> None:
     seed = int(os.environ.get("WORKER_TEST_SEED", random.randrange(1 << 16)))
     rng = random.Random(seed)
@@ -164,7 +164,7 @@ async def test_kills_restarts_hot_rows_and_duplicates_come_out_exact(
 
     kills = sum(event.startswith("kill") for event in fleet.events)
     assert await balances(pg) == expected, f"seed {seed}, {fleet.events}"
-    assert await scalar(pg, "SELECT count(*) FROM inbox") == unique
+    assert await marker_count(pg) == unique
     assert await scalar(pg, "SELECT count(DISTINCT message_id) FROM inbox") == unique
     assert set((await all_depths(rabbit)).values()) == {0}
     assert await take_dead_letters(rabbit) == [], f"seed {seed}: a valid message dead-lettered"

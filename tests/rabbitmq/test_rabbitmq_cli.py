@@ -24,7 +24,7 @@ from tests.rabbitmq.rabbit_helpers import (
 )
 from tests.support.database import fetch
 from tests.support.processes import WorkerProcess, arun_cli
-from tests.support.rabbitmq import arabbitmqctl
+from tests.support.rabbitmq import MakeRabbitSettings, arabbitmqctl
 from tests.support.waiting import wait_for
 from worker.brokers.rabbitmq import REASON_HEADER, RabbitMQAdmin, RabbitMQSettings, make_identity
 
@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.rabbitmq, pytest.mark.postgres]
 
 
 async def test_publish_then_dlq_list_and_resubmit(
-    rabbit_settings: Any, pg: str, tmp_path: Path
+    rabbit_settings: MakeRabbitSettings, pg: str, tmp_path: Path
 ) -> None:
     rabbit: RabbitMQSettings = rabbit_settings()
     env = rabbit_env(rabbit, pg)
@@ -85,7 +85,7 @@ async def test_publish_then_dlq_list_and_resubmit(
 
 
 async def test_publish_rejects_a_bad_line_before_sending_anything(
-    rabbit_settings: Any, pg: str
+    rabbit_settings: MakeRabbitSettings, pg: str
 ) -> None:
     rabbit: RabbitMQSettings = rabbit_settings()
     good = json.dumps({"id": "1", "type": "CreditRequested", "body": {}})
@@ -94,7 +94,7 @@ async def test_publish_rejects_a_bad_line_before_sending_anything(
 
 
 async def test_the_password_never_reaches_a_log(
-    rabbit_settings: Any, pg: str, rabbitmq_vhost: str, tmp_path: Path
+    rabbit_settings: MakeRabbitSettings, pg: str, rabbitmq_vhost: str, tmp_path: Path
 ) -> None:
     user, secret = f"wt_{uuid.uuid4().hex[:8]}", f"pw-{uuid.uuid4().hex}"
     await arabbitmqctl("add_user", user, secret)
@@ -128,7 +128,7 @@ async def test_the_password_never_reaches_a_log(
 
 
 async def test_bad_rabbitmq_setting_stops_the_worker_with_one_line(
-    rabbit_settings: Any, pg: str
+    rabbit_settings: MakeRabbitSettings, pg: str
 ) -> None:
     env = rabbit_env(rabbit_settings(), pg, WORKER_RABBITMQ_QUEUE_TYPE="stream")
     result = await arun_cli(env, "run")
@@ -172,7 +172,9 @@ async def _ids(env: dict[str, str], *args: str) -> list[str]:
     return [item["id"] for item in map(json.loads, result.stdout.splitlines())]
 
 
-async def test_dlq_groups_filters_and_resubmits_one_group(rabbit_settings: Any, pg: str) -> None:
+async def test_dlq_groups_filters_and_resubmits_one_group(
+    rabbit_settings: MakeRabbitSettings, pg: str
+) -> None:
     rabbit: RabbitMQSettings = rabbit_settings()
     env = rabbit_env(rabbit, pg)
     await _dead_letter_all(rabbit)
@@ -226,7 +228,9 @@ async def test_dlq_groups_filters_and_resubmits_one_group(rabbit_settings: Any, 
     assert (queues[rabbit.queue], queues[rabbit.dead_letter_queue]) == (2, 4)
 
 
-async def test_dlq_prints_a_table_on_a_terminal(rabbit_settings: Any, pg: str) -> None:
+async def test_dlq_prints_a_table_on_a_terminal(
+    rabbit_settings: MakeRabbitSettings, pg: str
+) -> None:
     rabbit: RabbitMQSettings = rabbit_settings()
     await _dead_letter_all(rabbit)
     output = await asyncio.to_thread(on_a_terminal, rabbit_env(rabbit, pg), "--group-by", "reason")

@@ -22,7 +22,6 @@ import pytest
 from tests.rabbitmq.naive_handlers import NAIVE_TABLES
 from tests.rabbitmq.rabbit_helpers import (
     all_depths,
-    credit,
     credit_registry,
     publish,
     rabbit_env,
@@ -30,9 +29,10 @@ from tests.rabbitmq.rabbit_helpers import (
     take_dead_letters,
     unsettled,
 )
-from tests.support.database import balances, execute, fetch, scalar
+from tests.support.credits import credit
+from tests.support.database import balances, execute, fetch, marker_count, scalar
 from tests.support.processes import Fleet, WorkerProcess, events
-from tests.support.rabbitmq import arabbitmqctl
+from tests.support.rabbitmq import MakeRabbitSettings, arabbitmqctl
 from tests.support.waiting import wait_for
 from worker.brokers import OutgoingMessage
 from worker.brokers.rabbitmq import RabbitMQSettings
@@ -118,7 +118,7 @@ def _drained(
 
 @pytest.mark.slow
 async def test_three_workers_kills_and_duplicates_come_out_exact(
-    rabbit_settings: Any, rabbitmq_vhost: str, pg: str, tmp_path: Path
+    rabbit_settings: MakeRabbitSettings, rabbitmq_vhost: str, pg: str, tmp_path: Path
 ) -> None:
     rabbit: RabbitMQSettings = rabbit_settings(retry_delays=[0.2, 1.0])
     stream, expected = make_stream(UNIQUE, TWICE)
@@ -127,7 +127,7 @@ async def test_three_workers_kills_and_duplicates_come_out_exact(
     )
     assert len(run.events) == 3 and all(code == 0 for code in run.exit_codes.values()), run
     assert await balances(pg) == expected
-    assert await scalar(pg, "SELECT count(*) FROM inbox") == UNIQUE
+    assert await marker_count(pg) == UNIQUE
     assert await scalar(pg, "SELECT count(DISTINCT message_id) FROM inbox") == UNIQUE
     assert set((await all_depths(rabbit)).values()) == {0}
     assert await take_dead_letters(rabbit) == []
@@ -154,7 +154,7 @@ async def test_three_workers_kills_and_duplicates_come_out_exact(
 
 @pytest.mark.slow
 async def test_the_naive_handler_fails_the_same_scenario(
-    rabbit_settings: Any, rabbitmq_vhost: str, pg: str, tmp_path: Path
+    rabbit_settings: MakeRabbitSettings, rabbitmq_vhost: str, pg: str, tmp_path: Path
 ) -> None:
     rabbit: RabbitMQSettings = rabbit_settings(retry_delays=[0.2, 1.0])
     stream, expected = make_stream(UNIQUE, TWICE)
@@ -178,7 +178,7 @@ async def test_the_naive_handler_fails_the_same_scenario(
 @pytest.mark.slow
 @pytest.mark.serial  # stop_app: every connection to the server drops, other tests' too
 async def test_a_rabbitmq_restart_loses_nothing(
-    rabbit_settings: Any, pg: str, rabbitmq_vhost: str
+    rabbit_settings: MakeRabbitSettings, pg: str, rabbitmq_vhost: str
 ) -> None:
     """Stops and starts the local server's RabbitMQ application (``rabbitmqctl stop_app``).
 
@@ -214,7 +214,7 @@ async def test_a_rabbitmq_restart_loses_nothing(
         await wait_for(_inbox_count_is(pg, total), 90, "every message committed")
         await wait_for(_settled(rabbitmq_vhost, rabbit), 30, "every message acked")
     assert readiness == [False, False]
-    assert await scalar(pg, "SELECT count(*) FROM inbox") == total
+    assert await marker_count(pg) == total
     assert set((await balances(pg)).values()) == {Decimal(total // ACCOUNTS)}
     assert set((await all_depths(rabbit)).values()) == {0}
     print(
@@ -232,13 +232,13 @@ def _settled(vhost: str, rabbit: RabbitMQSettings) -> Any:
 
 def _inbox_count_is(database_url: str, expected: int) -> Any:
     async def check() -> bool:
-        return bool(await scalar(database_url, "SELECT count(*) FROM inbox") == expected)
+        return await marker_count(database_url) == expected
 
     return check
 
 
 async def test_sigterm_mid_batch_acks_nothing_unfinished(
-    rabbit_settings: Any, pg: str, tmp_path: Path
+    rabbit_settings: MakeRabbitSettings, pg: str, tmp_path: Path
 ) -> None:
     rabbit: RabbitMQSettings = rabbit_settings()
     total = 60
@@ -282,6 +282,6 @@ async def test_sigterm_mid_batch_acks_nothing_unfinished(
 
 def _inbox_at_least(database_url: str, count: int) -> Any:
     async def check() -> bool:
-        return bool(await scalar(database_url, "SELECT count(*) FROM inbox") >= count)
+        return await marker_count(database_url) >= count
 
     return check

@@ -21,7 +21,6 @@ import pytest
 
 from tests.rabbitmq.rabbit_helpers import (
     all_depths,
-    credit,
     credit_registry,
     depths,
     make_broker,
@@ -30,8 +29,10 @@ from tests.rabbitmq.rabbit_helpers import (
     running,
     take_dead_letters,
 )
+from tests.support.credits import credit
 from tests.support.database import balances, fetch
-from tests.support.rabbitmq import arabbitmqctl
+from tests.support.pumps import engine_for, running_pump
+from tests.support.rabbitmq import MakeRabbitSettings, arabbitmqctl
 from tests.support.waiting import wait_for
 from worker.brokers.rabbitmq import (
     DELIVERIES_HEADER,
@@ -39,9 +40,7 @@ from worker.brokers.rabbitmq import (
     RabbitMQBroker,
     RabbitMQSettings,
 )
-from worker.db import create_engine
 from worker.errors import ConfigurationError, Retry, SettlementLost
-from worker.pump import Pump
 from worker.registry import Context
 from worker.settings import Settings
 
@@ -52,7 +51,9 @@ async def markers(database_url: str) -> list[str]:
     return [r.message_id for r in await fetch(database_url, "SELECT message_id FROM inbox")]
 
 
-async def test_handler_error_comes_back_after_the_backoff(rabbit_settings: Any, pg: str) -> None:
+async def test_handler_error_comes_back_after_the_backoff(
+    rabbit_settings: MakeRabbitSettings, pg: str
+) -> None:
     rabbit = rabbit_settings(retry_delays=[0.4, 1.0])
 
     def fail_first(ctx: Context) -> None:
@@ -72,7 +73,7 @@ async def test_handler_error_comes_back_after_the_backoff(rabbit_settings: Any, 
 
 
 async def test_retry_requested_with_a_delay_uses_the_matching_retry_queue(
-    rabbit_settings: Any, pg: str
+    rabbit_settings: MakeRabbitSettings, pg: str
 ) -> None:
     rabbit = rabbit_settings(retry_delays=[0.1, 0.8])
 
@@ -89,7 +90,7 @@ async def test_retry_requested_with_a_delay_uses_the_matching_retry_queue(
 
 
 async def test_exhausted_message_is_dead_lettered_with_the_reason(
-    rabbit_settings: Any, pg: str
+    rabbit_settings: MakeRabbitSettings, pg: str
 ) -> None:
     rabbit = rabbit_settings(retry_delays=[0.05, 0.1])
 
@@ -123,7 +124,7 @@ async def test_exhausted_message_is_dead_lettered_with_the_reason(
     ids=["undecodable", "unknown-type", "no-type"],
 )
 async def test_poison_goes_to_the_dead_letter_queue_at_once(
-    rabbit_settings: Any, pg: str, message: aio_pika.Message, reason: str
+    rabbit_settings: MakeRabbitSettings, pg: str, message: aio_pika.Message, reason: str
 ) -> None:
     rabbit = rabbit_settings()
     registry, seen = credit_registry()
@@ -145,7 +146,7 @@ def _broken_identity(message: Any) -> str | None:
     "identity", [lambda message: None, _broken_identity], ids=["none", "raises"]
 )
 async def test_a_message_without_an_id_is_dead_lettered(
-    rabbit_settings: Any, pg: str, identity: Callable[[Any], str | None]
+    rabbit_settings: MakeRabbitSettings, pg: str, identity: Callable[[Any], str | None]
 ) -> None:
     # aiormq stamps a random message_id on whatever it publishes, so the
     # message without one is simulated by an identity function that finds none,
@@ -153,23 +154,19 @@ async def test_a_message_without_an_id_is_dead_lettered(
     rabbit = rabbit_settings()
     registry, seen = credit_registry()
     settings = Settings(database_url=pg, concurrency=2)
-    engine = create_engine(pg, pool_size=4)
-    pump = Pump(RabbitMQBroker(rabbit, identity), engine, registry, settings)
-    task = asyncio.create_task(pump.run())
-    try:
+    async with (
+        engine_for(pg, pool_size=4) as engine,
+        running_pump(RabbitMQBroker(rabbit, identity), engine, registry, settings) as pump,
+    ):
         await publish(rabbit, [credit(None, "a", "1")])
         await wait_for(lambda: pump.stats["dead-letter"] == 1, 10, "the dead letter")
-    finally:
-        pump.stop()
-        await asyncio.wait_for(task, 30)
-        await engine.dispose()
     (letter,) = await take_dead_letters(rabbit)
     assert letter.headers[REASON_HEADER] == "no message id"
     assert seen == []
 
 
 async def test_cloudevents_headers_are_the_dedup_key_and_the_type(
-    rabbit_settings: Any, pg: str
+    rabbit_settings: MakeRabbitSettings, pg: str
 ) -> None:
     rabbit = rabbit_settings()
     registry, _ = credit_registry()
@@ -185,7 +182,9 @@ async def test_cloudevents_headers_are_the_dedup_key_and_the_type(
     assert sorted(await markers(pg)) == ['["/billing","42"]', '["/shop","42"]']
 
 
-async def test_a_consumer_that_vanishes_counts_as_a_delivery(rabbit_settings: Any) -> None:
+async def test_a_consumer_that_vanishes_counts_as_a_delivery(
+    rabbit_settings: MakeRabbitSettings,
+) -> None:
     rabbit = rabbit_settings()
     await publish(rabbit, [credit("m1", "a", "1")])
     first = make_broker(rabbit)
@@ -203,7 +202,9 @@ async def test_a_consumer_that_vanishes_counts_as_a_delivery(rabbit_settings: An
         await second.close()
 
 
-async def test_stop_receiving_gives_untaken_deliveries_back(rabbit_settings: Any) -> None:
+async def test_stop_receiving_gives_untaken_deliveries_back(
+    rabbit_settings: MakeRabbitSettings,
+) -> None:
     rabbit = rabbit_settings()
     await publish(rabbit, [credit(f"m{i}", "a", "1") for i in range(5)])
     broker = make_broker(rabbit)
@@ -227,7 +228,7 @@ async def _depth_is(rabbit: RabbitMQSettings, expected: int) -> bool:
 
 
 async def test_lost_connection_means_settlement_lost_and_not_ready(
-    rabbit_settings: Any, rabbitmq_vhost: str
+    rabbit_settings: MakeRabbitSettings, rabbitmq_vhost: str
 ) -> None:
     rabbit = rabbit_settings()
     await publish(rabbit, [credit("m1", "a", "1")])
@@ -252,7 +253,7 @@ async def test_lost_connection_means_settlement_lost_and_not_ready(
 
 
 async def test_topology_declared_with_other_arguments_is_a_configuration_error(
-    rabbit_settings: Any,
+    rabbit_settings: MakeRabbitSettings,
 ) -> None:
     classic = make_broker(rabbit_settings(queue_type="classic"))
     await classic.start(prefetch=1)
@@ -263,7 +264,9 @@ async def test_topology_declared_with_other_arguments_is_a_configuration_error(
     assert not quorum.ready
 
 
-async def test_publishing_a_type_no_binding_routes_fails_loudly(rabbit_settings: Any) -> None:
+async def test_publishing_a_type_no_binding_routes_fails_loudly(
+    rabbit_settings: MakeRabbitSettings,
+) -> None:
     rabbit = rabbit_settings(binding_keys=["Credit*"])  # topic keys match whole words only
     with pytest.raises(ConfigurationError, match="reaches no queue"):
         await publish(rabbit, [credit("m1", "a", "1")])

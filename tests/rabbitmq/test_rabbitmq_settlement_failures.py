@@ -19,7 +19,6 @@ import pytest
 
 from tests.rabbitmq.rabbit_helpers import (
     all_depths,
-    credit,
     credit_registry,
     make_broker,
     publish,
@@ -27,7 +26,8 @@ from tests.rabbitmq.rabbit_helpers import (
     running,
     take_dead_letters,
 )
-from tests.support.rabbitmq import arabbitmqctl, rabbitmqctl
+from tests.support.credits import credit
+from tests.support.rabbitmq import MakeRabbitSettings, arabbitmqctl, rabbitmqctl
 from tests.support.waiting import wait_for
 from worker.brokers.rabbitmq import DELIVERIES_HEADER, RabbitMQSettings
 from worker.delivery import Delivery
@@ -95,7 +95,7 @@ CASES = ["retry-queue-gone", "dead-letter-queue-gone", "confirm-refused", "confi
 @pytest.mark.parametrize("case", CASES)
 async def test_a_failed_copy_gives_the_original_back(
     case: str,
-    rabbit_settings: Any,
+    rabbit_settings: MakeRabbitSettings,
     rabbitmq_vhost: str,
     policies: list[str],
     monkeypatch: pytest.MonkeyPatch,
@@ -132,7 +132,7 @@ async def test_a_failed_copy_gives_the_original_back(
 
 
 async def test_a_pump_with_one_slot_keeps_consuming_when_a_copy_fails(
-    rabbit_settings: Any, pg: str
+    rabbit_settings: MakeRabbitSettings, pg: str
 ) -> None:
     rabbit = rabbit_settings()
 
@@ -168,7 +168,11 @@ async def test_a_pump_with_one_slot_keeps_consuming_when_a_copy_fails(
     ids=["classic-no-retry-queues", "classic-delay-0", "quorum-no-retry-queues", "quorum-delay-0"],
 )
 async def test_an_immediate_retry_counts_up_to_the_dead_letter_queue(
-    rabbit_settings: Any, pg: str, queue_type: str, retry_delays: list[float], error: Exception
+    rabbit_settings: MakeRabbitSettings,
+    pg: str,
+    queue_type: str,
+    retry_delays: list[float],
+    error: Exception,
 ) -> None:
     rabbit = rabbit_settings(queue_type=queue_type, retry_delays=retry_delays)
     headers: list[Mapping[str, Any]] = []

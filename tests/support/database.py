@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 from decimal import Decimal
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import text
+from sqlalchemy import Table, text
+from sqlalchemy.ext.asyncio import AsyncEngine
 
+from handlers.credit import Account
 from worker.db import create_engine
+from worker.inbox import InboxMarker
+
+# SQLAlchemy types a mapped class's ``__table__`` as a FromClause; these are Tables
+INBOX = cast(Table, InboxMarker.__table__)
+ACCOUNTS = cast(Table, Account.__table__)
 
 
 async def fetch(database_url: str, sql: str) -> list[Any]:
@@ -39,3 +46,13 @@ async def execute(database_url: str, *statements: str) -> None:
 async def balances(database_url: str, table: str = "accounts") -> dict[str, Decimal]:
     rows = await fetch(database_url, f"SELECT id, balance FROM {table}")
     return {row[0]: Decimal(row[1]) for row in rows}
+
+
+async def marker_count(database: AsyncEngine | str, where: str = "") -> int:
+    """Inbox markers (rows of ``inbox``), only those matching the SQL ``where`` if given;
+    ``database`` is the test's engine or a URL (a one-shot engine then)."""
+    sql = "SELECT count(*) FROM inbox" + (f" WHERE {where}" if where else "")
+    if isinstance(database, str):
+        return int(await scalar(database, sql))
+    async with database.connect() as connection:
+        return int(await connection.scalar(text(sql)) or 0)

@@ -10,11 +10,16 @@ import asyncio
 import contextlib
 import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from tests.support.services import require_command, require_service
+from worker.brokers.rabbitmq import RabbitMQSettings
 
 HOST, PORT = "127.0.0.1", 5672
+
+MakeRabbitSettings = Callable[..., RabbitMQSettings]
+"""The ``rabbit_settings`` fixture (tests/conftest.py): ``rabbit_settings(**overrides)``, a
+queue and exchange of the test's own in the session's vhost."""
 
 
 def rabbitmqctl(*args: str, timeout: float = 60) -> str:
