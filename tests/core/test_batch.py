@@ -331,7 +331,7 @@ class PartitionedConsumer(MemoryConsumer):
 
     def accept(self, flight: Any) -> None:
         super().accept(flight)
-        delivery: Delivery = self._inbox._queue[-1]  # type: ignore[attr-defined]
+        delivery: Delivery = flight.delivery
         delivery.group = delivery.headers.get("p")
 
         async def store(session: Any, message_id: str | None = delivery.message_id) -> None:

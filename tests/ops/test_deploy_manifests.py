@@ -207,7 +207,7 @@ def test_the_engine_opens_what_the_budget_counts() -> None:
 
 
 def test_every_kafka_group_member_can_own_a_partition() -> None:
-    """An idle member is ready (worker/brokers/kafka.py), so nothing hangs; still, a pod
+    """An idle member is ready (worker/brokers/kafka/consumer.py), so nothing hangs; still, a pod
     beyond the partition count only idles: minReplicaCount <= maxReplicaCount + maxSurge
     <= partitions, and no surge on Kafka (it buys nothing but one more rebalance).
     """

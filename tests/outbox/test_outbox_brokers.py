@@ -18,8 +18,8 @@ from tests.support.pumps import MakeSettings, RunPumps
 from tests.support.rabbitmq import MakeRabbitSettings
 from tests.support.tansu import Tansu
 from worker import outbox
-from worker.brokers.kafka import header_message_id
-from worker.brokers.publishers import KafkaPublisher, ServiceBusPublisher
+from worker.brokers.kafka import KafkaPublisher, header_message_id
+from worker.brokers.servicebus import ServiceBusPublisher
 from worker.outbox import Relay
 
 
@@ -156,7 +156,7 @@ async def test_a_30_second_rabbitmq_outage_spends_no_attempt_and_the_backlog_dra
     from tests.rabbitmq.rabbit_helpers import credit_registry, running
     from tests.support.processes import free_port
     from tests.support.waiting import wait_for
-    from worker.brokers.publishers import RabbitMQPublisher
+    from worker.brokers.rabbitmq import RabbitMQPublisher
     from worker.db import create_engine
 
     b = rabbit_settings()

@@ -21,8 +21,7 @@ from tests.support.processes import REPO, run_cli
 from tests.support.rabbitmq import MakeRabbitSettings
 from tests.support.waiting import wait_for
 from worker.brokers import OutgoingMessage
-from worker.brokers.publishers import RabbitMQPublisher
-from worker.brokers.rabbitmq import RabbitMQSettings
+from worker.brokers.rabbitmq import RabbitMQPublisher, RabbitMQSettings
 from worker.db import create_engine
 from worker.outbox import Relay, outgoing_id
 from worker.registry import Context, Registry

@@ -20,8 +20,7 @@ from tests.support.processes import clean_env, run_cli
 from tests.support.pumps import MakeSettings, RunPumps
 from tests.support.waiting import wait_for
 from worker import outbox
-from worker.brokers.memory import MemoryBroker
-from worker.brokers.publishers import MemoryPublisher
+from worker.brokers.memory import MemoryBroker, MemoryPublisher
 from worker.db import create_engine
 from worker.outbox import OutboxMessage, Relay
 from worker.registry import Context, Registry
