@@ -217,7 +217,8 @@ async def seen(session: AsyncSession, message_id: str, consumer: str) -> bool:
 # Batch mode (worker/batch.py): one statement marks many messages and reports which are
 # new. The ids arrive sorted, so two batches sharing ids take their keys in one order and
 # cannot deadlock on each other's markers. ON CONFLICT DO NOTHING still waits for a
-# concurrent uncommitted insert of the same key (rule 7), then reports it not new.
+# concurrent uncommitted insert of the same key (blocking is the feature), then
+# reports it not new.
 _MARK_MANY_POSTGRES = text(
     "INSERT INTO inbox (message_id, consumer) "
     "SELECT m, :c FROM unnest(CAST(:ids AS varchar[])) AS m "

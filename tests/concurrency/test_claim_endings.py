@@ -1,4 +1,5 @@
-"""How a side-effect claim ends: one finish commits, a hopeless claim is abandoned (rule 8).
+"""How a side-effect claim ends: one finish commits, a hopeless claim is abandoned (side effects
+that can't join the transaction get a two-phase claim).
 
 - A replica whose lease ran out mid-call and whose "finished" mark then finds
   the claim finished by the replica that took it over must roll its own writes
@@ -566,7 +567,8 @@ async def test_worker_sweep_scrubs_outcomes_stored_before_scrubbing_was_done(
     assert [p["last_outcome"] for p in printed] == ["failed: postgresql://ledger:***@db/x"] * 2
 
 
-# -- rule 13: a give-back the message is not to blame for spends no delivery -----------------
+# -- a delivery count is spent only by the message's own failure: a give-back it is not to
+# -- blame for spends none
 
 
 async def test_waiting_for_someone_elses_live_claim_is_not_counted(

@@ -1,4 +1,5 @@
-"""Inbox retention: a validated window, bounded batches, one purger at a time (DESIGN rule 10)."""
+"""Inbox retention: a validated window, bounded batches, one purger at a time: trimming
+never deletes a marker a redelivery could still need."""
 
 from __future__ import annotations
 

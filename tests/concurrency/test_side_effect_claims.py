@@ -1,4 +1,5 @@
-"""Two-phase claims with a lease, against a real HTTP server on 127.0.0.1 (DESIGN rule 8).
+"""Two-phase claims with a lease, against a real HTTP server on 127.0.0.1 (side effects that
+can't join the transaction get a two-phase claim with an idempotency key).
 
 The crash cases here cut the attempt in-process: the pump is stopped with no
 grace period while its handler waits between claim and call (or between call
@@ -143,8 +144,9 @@ async def test_a_live_claim_is_left_to_its_owner_and_nacked_with_a_delay(
 async def test_waiting_for_a_live_claim_spends_no_delivery(
     engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps, mail_server: MailServer
 ) -> None:
-    """Rule 13: with one delivery allowed, the wait for another replica's lease used to
-    spend it, and the message was dead-lettered "exhausted" instead of being sent."""
+    """A delivery count is spent only by the message's own failure: with one delivery
+    allowed, the wait for another replica's lease used to spend it, and the message was
+    dead-lettered "exhausted" instead of being sent."""
     await add_marker(
         engine, "welcome-1", consumer="welcome-email", state="claimed", lease=timedelta(seconds=0.5)
     )
@@ -490,7 +492,8 @@ def test_a_side_effect_handler_cannot_skip_the_inbox() -> None:
 async def test_the_idempotency_key_is_the_message_id_on_every_delivery(
     engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps, mail_server: MailServer
 ) -> None:
-    """Rule 9: not the delivery count, a correlation id or a receive time, which all change."""
+    """The dedup key must be stable across redeliveries: not the delivery count, a
+    correlation id or a receive time, which all change."""
     mail_server.fail = 2
     broker = MemoryBroker()
     headers = {"correlation_id": "conversation-7"}

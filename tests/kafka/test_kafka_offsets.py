@@ -238,7 +238,8 @@ async def test_an_unreachable_broker_is_broker_unavailable(
 async def test_an_uncounted_nack_does_not_spend_a_delivery(
     new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
 ) -> None:
-    """Rule 13: a give-back the record is not to blame for keeps its delivery count."""
+    """A delivery count is spent only by the message's own failure: a give-back the
+    record is not to blame for keeps its delivery count."""
     topic = await new_topic(1)
     await produce(bootstrap, topic, [(None, b"{}", {"message-id": "m0"}, 0)])
     async with started(kafka_settings(topic)) as broker:
@@ -313,7 +314,8 @@ async def test_a_broker_refusing_the_idempotent_producer_names_the_setting(
 async def test_a_dead_letter_refused_even_reduced_is_rewound_not_released(
     new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
 ) -> None:
-    """Rule 12: no copy confirmed, no release, even when the refusal is for good."""
+    """Every move of a message is at-least-once: no copy confirmed, no release, even
+    when the refusal is for good."""
     topic = await new_topic(1)
     await produce(bootstrap, topic, [(None, b"{}", {"message-id": f"m{n}"}, 0) for n in range(2)])
     # the smallest request size: even the dlt-* headers of a long reason do not fit
