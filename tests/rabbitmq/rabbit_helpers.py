@@ -9,14 +9,13 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
 
 from handlers.credit import CreditRequested, apply_credit
-from tests.support.credits import credit as credit  # re-exported: the RabbitMQ tests' messages
 from tests.support.processes import REPO, clean_env
 from tests.support.pumps import engine_for, running_pump
 from tests.support.rabbitmq import rabbitmqctl
@@ -92,6 +91,15 @@ def unsettled(vhost: str, settings: RabbitMQSettings) -> int:
         if len(parts) == 2 and parts[0] in ours:
             total += int(parts[1])
     return total
+
+
+def settled(vhost: str, settings: RabbitMQSettings) -> Callable[[], Awaitable[bool]]:
+    """A :func:`~tests.support.waiting.wait_for` predicate: nothing :func:`unsettled`."""
+
+    async def check() -> bool:
+        return await asyncio.to_thread(unsettled, vhost, settings) == 0
+
+    return check
 
 
 async def take_dead_letters(settings: RabbitMQSettings) -> list[AbstractIncomingMessage]:

@@ -13,7 +13,9 @@ from typing import Any
 import aio_pika
 import pytest
 
-from tests.rabbitmq.rabbit_helpers import credit, depths, make_broker, publish, take_dead_letters
+from tests.rabbitmq.rabbit_helpers import depths, make_broker, publish, take_dead_letters
+from tests.support.credits import credit
+from tests.support.rabbitmq import MakeRabbitSettings
 from tests.support.waiting import wait_for
 from worker.brokers.rabbitmq import RabbitMQBroker, RabbitMQSettings, make_identity
 from worker.delivery import Delivery, ack_many
@@ -28,7 +30,7 @@ async def take(broker: RabbitMQBroker, count: int) -> dict[str | None, Delivery]
 
 
 async def test_the_destination_is_the_queue_and_nothing_is_counted_before_anything_happens(
-    rabbit_settings: Any,
+    rabbit_settings: MakeRabbitSettings,
 ) -> None:
     rabbit = rabbit_settings()
     broker = make_broker(rabbit)
@@ -45,7 +47,7 @@ async def test_the_destination_is_the_queue_and_nothing_is_counted_before_anythi
 
 
 async def test_a_channel_closed_under_the_consumer_counts_a_loss_a_lost_ack_and_a_reconnect(
-    rabbit_settings: Any,
+    rabbit_settings: MakeRabbitSettings,
 ) -> None:
     rabbit = rabbit_settings()
     await publish(rabbit, [credit("m1", "a", "1")])
@@ -71,7 +73,9 @@ async def test_a_channel_closed_under_the_consumer_counts_a_loss_a_lost_ack_and_
     assert broker.stats["connection_lost"] == 1  # a clean close is no loss
 
 
-async def test_a_multiple_ack_is_counted_once_per_frame(rabbit_settings: Any) -> None:
+async def test_a_multiple_ack_is_counted_once_per_frame(
+    rabbit_settings: MakeRabbitSettings,
+) -> None:
     rabbit = rabbit_settings()
     await publish(rabbit, [credit(f"r-{n}", "a", "1") for n in range(3)])
     broker = make_broker(rabbit)
@@ -86,7 +90,9 @@ async def test_a_multiple_ack_is_counted_once_per_frame(rabbit_settings: Any) ->
     assert (await depths(rabbit, rabbit.queue))[rabbit.queue] == 0
 
 
-async def test_nacks_by_route_and_dead_letters_are_counted(rabbit_settings: Any) -> None:
+async def test_nacks_by_route_and_dead_letters_are_counted(
+    rabbit_settings: MakeRabbitSettings,
+) -> None:
     rabbit = rabbit_settings()
     await publish(rabbit, [credit(name, "a", "1") for name in ("later", "now", "poison")])
     broker = make_broker(rabbit)
@@ -107,7 +113,9 @@ async def test_nacks_by_route_and_dead_letters_are_counted(rabbit_settings: Any)
     assert [m.message_id for m in await take_dead_letters(rabbit)] == ["poison"]
 
 
-async def test_deliveries_given_back_at_a_stop_are_counted(rabbit_settings: Any) -> None:
+async def test_deliveries_given_back_at_a_stop_are_counted(
+    rabbit_settings: MakeRabbitSettings,
+) -> None:
     rabbit = rabbit_settings()
     await publish(rabbit, [credit(f"m{n}", "a", "1") for n in range(3)])
     broker = make_broker(rabbit)
@@ -124,7 +132,7 @@ async def test_deliveries_given_back_at_a_stop_are_counted(rabbit_settings: Any)
 
 
 async def test_a_failing_identity_function_and_drained_legacy_queues_are_counted(
-    rabbit_settings: Any,
+    rabbit_settings: MakeRabbitSettings,
 ) -> None:
     rabbit: RabbitMQSettings = rabbit_settings()
     legacy = f"{rabbit.queue}.retry.200ms"

@@ -13,9 +13,9 @@ import asyncio
 import random
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -26,6 +26,7 @@ from tests.rabbitmq.rabbit_helpers import (
     publish,
     rabbit_env,
     running,
+    settled,
     take_dead_letters,
     unsettled,
 )
@@ -103,8 +104,12 @@ async def run_scenario(
 
 
 def _drained(
-    rabbit: RabbitMQSettings, vhost: str, database_url: str, progress_sql: str, publishing: Any
-) -> Any:
+    rabbit: RabbitMQSettings,
+    vhost: str,
+    database_url: str,
+    progress_sql: str,
+    publishing: asyncio.Task[None],
+) -> Callable[[], Awaitable[bool]]:
     """Every unique message processed and nothing left in (or held from) the queues."""
 
     async def check() -> bool:
@@ -197,7 +202,7 @@ async def test_a_rabbitmq_restart_loses_nothing(
     registry, _ = credit_registry(slowly)
     readiness: list[bool] = []
     async with running(rabbit, pg, registry, concurrency=4) as pump:
-        broker: Any = pump.broker
+        broker = pump.broker
         await wait_for(lambda: pump.stats["committed"] >= 100, 30, "100 commits")
         stopped = time.monotonic()
         try:
@@ -212,7 +217,7 @@ async def test_a_rabbitmq_restart_loses_nothing(
         await wait_for(lambda: broker.ready, 60, "the reconnect")
         outage = time.monotonic() - stopped
         await wait_for(_inbox_count_is(pg, total), 90, "every message committed")
-        await wait_for(_settled(rabbitmq_vhost, rabbit), 30, "every message acked")
+        await wait_for(settled(rabbitmq_vhost, rabbit), 30, "every message acked")
     assert readiness == [False, False]
     assert await marker_count(pg) == total
     assert set((await balances(pg)).values()) == {Decimal(total // ACCOUNTS)}
@@ -223,14 +228,7 @@ async def test_a_rabbitmq_restart_loses_nothing(
     )
 
 
-def _settled(vhost: str, rabbit: RabbitMQSettings) -> Any:
-    async def check() -> bool:
-        return await asyncio.to_thread(unsettled, vhost, rabbit) == 0
-
-    return check
-
-
-def _inbox_count_is(database_url: str, expected: int) -> Any:
+def _inbox_count_is(database_url: str, expected: int) -> Callable[[], Awaitable[bool]]:
     async def check() -> bool:
         return await marker_count(database_url) == expected
 
@@ -280,7 +278,7 @@ async def test_sigterm_mid_batch_acks_nothing_unfinished(
     assert set((await all_depths(rabbit)).values()) == {0}
 
 
-def _inbox_at_least(database_url: str, count: int) -> Any:
+def _inbox_at_least(database_url: str, count: int) -> Callable[[], Awaitable[bool]]:
     async def check() -> bool:
         return await marker_count(database_url) >= count
 

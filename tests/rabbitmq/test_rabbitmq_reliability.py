@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Awaitable, Callable
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
 
 import aio_pika
 import pytest
@@ -26,8 +26,8 @@ from tests.rabbitmq.rabbit_helpers import (
     publish_raw,
     rabbit_env,
     running,
+    settled,
     take_dead_letters,
-    unsettled,
 )
 from tests.support.credits import credit
 from tests.support.database import balances, marker_count, scalar
@@ -105,7 +105,7 @@ async def test_copies_waiting_in_every_delay_queue_survive_a_broker_restart(
             _inbox_count(pg, total), REDELIVERED_AFTER_RECOVERY, "every parked copy applied"
         )
         # at-least-once may bring a copy back twice: wait until those are absorbed too
-        await wait_for(_drained(rabbitmq_vhost, rabbit), 60, "the queues to drain")
+        await wait_for(settled(rabbitmq_vhost, rabbit), 60, "the queues to drain")
         for worker in workers:
             worker.signal(signal.SIGTERM)
         for worker in workers:
@@ -139,7 +139,7 @@ async def test_graceful_restarts_with_a_full_prefetch_spend_no_delivery_counts(
         async with running(
             rabbit, pg, registry, concurrency=4, max_deliveries=1, grace_period=0.1
         ) as pump:
-            broker: Any = pump.broker
+            broker = pump.broker
             await wait_for(lambda: pump.in_flight == 4, 10, "the prefetch in handlers")
             del broker
     slow = False
@@ -217,14 +217,7 @@ async def test_queues_of_earlier_versions_are_drained_into_the_new_ones(
     assert counts.get(legacy_retry, 0) == 0 and counts.get(legacy_dead, 0) == 0, counts
 
 
-def _drained(vhost: str, rabbit: RabbitMQSettings) -> Any:
-    async def check() -> bool:
-        return await asyncio.to_thread(unsettled, vhost, rabbit) == 0
-
-    return check
-
-
-def _inbox_count(database_url: str, expected: int) -> Any:
+def _inbox_count(database_url: str, expected: int) -> Callable[[], Awaitable[bool]]:
     async def check() -> bool:
         try:
             return await marker_count(database_url) == expected
