@@ -150,7 +150,7 @@ async def test_a_message_without_an_id_is_dead_lettered(
 ) -> None:
     # aiormq stamps a random message_id on whatever it publishes, so the
     # message without one is simulated by an identity function that finds none,
-    # or fails (the default's own None is proven in test_rabbitmq_unit.py).
+    # or fails (the default's own None is proven in test_rabbitmq_settings_and_message_reading.py).
     rabbit = rabbit_settings()
     registry, seen = credit_registry()
     settings = Settings(database_url=pg, concurrency=2)
