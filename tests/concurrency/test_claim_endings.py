@@ -23,7 +23,12 @@ import pytest
 from pydantic import BaseModel
 from sqlalchemy import BigInteger, Table, insert, select, text, update
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import (
+    AsyncConnection,
+    AsyncEngine,
+    async_sessionmaker,
+    create_async_engine,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from tests.concurrency.concurrency_helpers import inbox_rows
@@ -32,10 +37,11 @@ from tests.support.pumps import MakeSettings, RunPumps
 from worker import claims, cli, retention, sweeper
 from worker.brokers.memory import MemoryBroker
 from worker.claims import ClaimContext, side_effect
-from worker.db import Failure, classify, create_engine, session_factory
+from worker.db import Failure, PumpSession, classify, create_engine, session_factory
 from worker.errors import Poison
 from worker.logs import get_logger
 from worker.registry import Handler, Registry
+from worker.settings import Settings
 from worker.verdict import Verdict
 
 LOG = get_logger(test="claim-endings")
@@ -360,7 +366,10 @@ async def test_abandoned_claims_are_listed_then_purged_with_the_finished_markers
 
 
 async def deliver(
-    sessions: Any, handler: Handler[Any], settings: Any, delivery: FakeDelivery
+    sessions: async_sessionmaker[PumpSession],
+    handler: Handler[Any],
+    settings: Settings,
+    delivery: FakeDelivery,
 ) -> Verdict:
     """:func:`claims.process` for a FakeDelivery of Pay(amount=10)."""
     return await claims.process(
@@ -437,8 +446,8 @@ async def hold_key(engine: AsyncEngine) -> AsyncConnection:
 
 
 async def claim_behind_blocker(
-    engine: AsyncEngine, handler: Handler[Any], settings: Any, held_for: float
-) -> Any:
+    engine: AsyncEngine, handler: Handler[Any], settings: Settings, held_for: float
+) -> Verdict:
     """:func:`claims.process` whose claim waits ``held_for`` seconds for :func:`hold_key`."""
     blocker = await hold_key(engine)
     try:
@@ -450,6 +459,7 @@ async def claim_behind_blocker(
         await blocker.rollback()
         await blocker.close()
     [result] = await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 10)
+    assert isinstance(result, Verdict), result  # not an exception
     return result
 
 
@@ -478,7 +488,7 @@ async def test_the_call_ends_before_a_lease_that_a_slow_claim_shortened(
     assert cut_at < lease_until  # the lease as the database stored it
     assert calls == Counter({"m1": 1})
     assert (outcome.verb, outcome.outcome) == ("nack", "call-timeout")
-    assert "before the claim's lease ends" in outcome.reason
+    assert outcome.reason is not None and "before the claim's lease ends" in outcome.reason
 
 
 async def test_a_lease_spent_by_the_claim_itself_is_given_back_uncounted_without_a_call(

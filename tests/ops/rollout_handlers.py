@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any
 
 from pydantic import BaseModel
 
 import worker.brokers.memory as memory
 from worker import Context, handler
+from worker.settings import Settings
 
 
 class Slow(BaseModel):
@@ -28,7 +28,7 @@ async def slow(ctx: Context, message: Slow) -> None:
     await asyncio.sleep(message.seconds)
 
 
-def _prefilled(settings: Any) -> memory.MemoryConsumer:
+def _prefilled(settings: Settings) -> memory.MemoryConsumer:
     broker = memory.MemoryBroker.from_settings(settings)
     seconds = float(os.environ.get("ROLLOUT_SECONDS", "1.0"))
     for n in range(int(os.environ["ROLLOUT_MEMORY_MESSAGES"])):
