@@ -12,7 +12,7 @@ import asyncio
 import os
 import shutil
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tests.support.exclusive import holding
 from tests.support.pumps import MakeSettings, RunPumps, pumps_on
-from tests.support.rabbitmq import guest_url, throwaway_vhost
+from tests.support.rabbitmq import MakeRabbitSettings, guest_url, throwaway_vhost
 from tests.support.services import require_service
 from tests.support.tansu import Tansu, running_tansu
 from worker.brokers.rabbitmq import RabbitMQSettings
@@ -181,7 +181,7 @@ def amqp_url(rabbitmq_vhost: str) -> str:
 
 
 @pytest.fixture
-def rabbit_settings(amqp_url: str) -> Callable[..., RabbitMQSettings]:
+def rabbit_settings(amqp_url: str) -> MakeRabbitSettings:
     """RabbitMQ settings in the session's vhost; queue and exchange names unique to the test."""
     queue = f"q{uuid.uuid4().hex[:8]}"
 

@@ -88,9 +88,10 @@ def pumps_on(
 
 
 @contextlib.asynccontextmanager
-async def engine_for(url: str, pool_size: int) -> AsyncIterator[AsyncEngine]:
-    """An engine of the test's own, disposed on the way out (after the pumps using it)."""
-    engine = create_engine(url, pool_size=pool_size)
+async def engine_for(url: str, pool_size: int | None = None) -> AsyncIterator[AsyncEngine]:
+    """An engine of the test's own (``create_engine``'s pool unless ``pool_size``), disposed
+    on the way out (after the pumps using it)."""
+    engine = create_engine(url) if pool_size is None else create_engine(url, pool_size=pool_size)
     try:
         yield engine
     finally:
