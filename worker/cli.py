@@ -598,10 +598,13 @@ async def _run(settings: Settings, signals: _Signals | None = None) -> int:
     from worker.db import create_engine, ping, redact, session_factory
     from worker.ops import start_ops
     from worker.registry import import_handlers, registry
-    from worker.tracing import configure as configure_tracing
 
     import_handlers(settings.handler_modules)
-    shutdown_tracing = configure_tracing(settings)
+    shutdown_tracing = None
+    if settings.tracing:  # OpenTelemetry is imported only when tracing is on
+        from worker.tracing import configure as configure_tracing
+
+        shutdown_tracing = configure_tracing(settings)
     broker = open_broker(settings)
     engine = create_engine(
         settings.database_url,
