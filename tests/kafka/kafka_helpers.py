@@ -17,6 +17,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition  # type: ignore[import-untyped]
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic  # type: ignore[import-untyped]
 
+from tests.support.credits import credit_body
 from tests.support.processes import WorkerProcess, clean_env
 from worker.brokers.kafka import KafkaSettings
 
@@ -88,7 +89,7 @@ async def produce(bootstrap: str, topic: str, records: Iterable[Record]) -> None
 def credit(
     message_id: str | None, account: str, amount: Decimal | str, **headers: str
 ) -> tuple[bytes, dict[str, str]]:
-    body = json.dumps({"account_id": account, "amount": str(amount)}).encode()
+    body = credit_body(account, amount)
     if message_id is not None:
         headers.setdefault("message-id", message_id)
     headers.setdefault("type", "CreditRequested")

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
 
 import pytest
 from pydantic import BaseModel
 
 from tests.kafka.kafka_helpers import committed, produce
-from tests.support.database import fetch, scalar
+from tests.support.database import fetch, marker_count
 from tests.support.waiting import wait_for
 from worker.brokers.kafka import KafkaBroker, KafkaSettings
 from worker.db import create_engine
@@ -46,7 +46,7 @@ async def test_commits_stay_contiguous_when_a_batch_fails_in_the_middle(
         database_url=url, batch_size=4, batch_wait=0.5, concurrency=2, retry_backoff=0.001
     )
     runs: list[tuple[str, float]] = []
-    batches: list[list[str]] = []
+    batches: list[tuple[int, Hashable]] = []
     registry = Registry()
 
     @registry.handler("Step", Step, consumer="step")
@@ -64,7 +64,7 @@ async def test_commits_stay_contiguous_when_a_batch_fails_in_the_middle(
 
     async def receive() -> Any:
         delivery = await original_receive()
-        batches.append([delivery._handle.record.offset, delivery.group])
+        batches.append((delivery._handle.record.offset, delivery.group))
         return delivery
 
     broker.receive = receive  # type: ignore[method-assign]
@@ -107,7 +107,7 @@ async def test_commits_stay_contiguous_when_a_batch_fails_in_the_middle(
     ahead = [(at, o) for at, o in commits + stored if o > 2 and at < bad_done]
     assert not ahead, f"committed past the failed record before it was done: {ahead}"
     assert max(o for _, o in commits) == 6
-    assert await scalar(url, "SELECT count(*) FROM inbox") == 6  # each record applied once
+    assert await marker_count(url) == 6  # each record applied once
     if offsets == "database":
         assert any(o == 2 for _, o in stored)  # the batch stored its prefix, not its end
 

@@ -2,50 +2,34 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from decimal import Decimal
-from typing import Any
 
 import pytest
 
-from handlers.credit import CreditRequested, apply_credit
 from tests.kafka.kafka_helpers import committed_is, produce
+from tests.support.credits import credit_registry
 from tests.support.database import balances, fetch
+from tests.support.pumps import MakeSettings, engine_for, running_pump
 from tests.support.waiting import wait_for
 from worker.brokers import Broker, OutgoingMessage
 from worker.brokers.kafka import KafkaBroker, KafkaSettings
 from worker.brokers.rabbitmq import RabbitMQAdmin, RabbitMQBroker, RabbitMQSettings, make_identity
-from worker.db import create_engine
 from worker.pump import Pump
-from worker.registry import Context, Registry
+from worker.settings import Settings
 
 pytestmark = [pytest.mark.kafka, pytest.mark.rabbitmq, pytest.mark.postgres]
 
 
-def registry() -> Registry:
-    reg = Registry()
-
-    @reg.handler("CreditRequested", CreditRequested, consumer="credit")
-    async def credit(ctx: Context, message: CreditRequested) -> None:
-        await apply_credit(ctx, message)
-
-    return reg
-
-
 async def pump_until(
-    broker: Broker, url: str, settings: Any, done: Callable[[Pump], Awaitable[bool]]
+    broker: Broker, url: str, settings: Settings, done: Callable[[Pump], Awaitable[bool]]
 ) -> dict[str, int]:
-    engine = create_engine(url)
-    pump = Pump(broker, engine, registry(), settings)
-    running = asyncio.create_task(pump.run())
-    try:
+    async with (
+        engine_for(url) as engine,
+        running_pump(broker, engine, credit_registry(), settings) as pump,
+    ):
         await wait_for(lambda: done(pump), 30, "the pump's settlement", step=0.2)
-    finally:
-        pump.stop()
-        await asyncio.wait_for(running, 30)
-        await engine.dispose()
     return dict(pump.stats)
 
 
@@ -55,7 +39,7 @@ async def test_a_cloudevent_bridged_through_both_brokers_is_applied_once(
     rabbit_settings: Callable[..., RabbitMQSettings],
     bootstrap: str,
     postgres_only_url: str,
-    make_settings: Callable[..., Any],
+    make_settings: MakeSettings,
 ) -> None:
     url = postgres_only_url
     body = json.dumps({"account_id": "acct-ce", "amount": "4.20"}).encode()

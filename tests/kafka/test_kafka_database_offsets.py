@@ -16,7 +16,7 @@ from sqlalchemy import event, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from tests.kafka.kafka_helpers import committed, produce
-from tests.support.database import execute, fetch, scalar
+from tests.support.database import execute, fetch, marker_count, scalar
 from tests.support.waiting import wait_for
 from worker import inbox
 from worker.brokers.kafka import KafkaBroker, KafkaSettings, load_kafka_settings
@@ -154,8 +154,7 @@ async def test_a_member_whose_partition_was_reassigned_cannot_commit(
     await applied_table(url)
     kafka = kafka_settings(topic, offsets="database", rebalance_grace=0.2)
     await produce(kafka.bootstrap_servers, topic, records(1, 0) + records(1, 1))
-    core = {"concurrency": 4, "retry_backoff": 0.001, "grace_period": 5.0}
-    settings = Settings(database_url=url, **core)
+    settings = Settings(database_url=url, concurrency=4, retry_backoff=0.001, grace_period=5.0)
     gate, started_a, started_b = asyncio.Event(), list[int](), list[int]()
     engine = create_engine(url, pool_size=10)
     a = Pump(KafkaBroker(settings, kafka), engine, note_registry("a", gate, started_a), settings)
@@ -259,7 +258,7 @@ async def test_a_fenced_transaction_rolls_back_and_the_row_keeps_the_new_owners_
             await AsyncSession.close(session)
         finally:
             await engine.dispose()
-        assert await scalar(url, "SELECT count(*) FROM inbox") == 0
+        assert await marker_count(url) == 0
         assert await stored(url, kafka.group_id, topic) == {0: 5}
         with pytest.raises(SettlementLost):  # not ours any more: never acked
             await delivery.ack()

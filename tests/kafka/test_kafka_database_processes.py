@@ -8,6 +8,7 @@ test cuts and restores (tests/support/proxy.py): the shared server is never rest
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import random
 import signal
@@ -28,7 +29,7 @@ from tests.kafka.kafka_helpers import (
     topic_records,
     worker_env,
 )
-from tests.support.database import balances, fetch, scalar
+from tests.support.database import balances, fetch, marker_count, scalar
 from tests.support.proxy import proxied
 from tests.support.waiting import wait_for
 from worker.brokers.kafka import KafkaSettings
@@ -43,10 +44,6 @@ async def stored(url: str, group: str) -> dict[int, int]:
         url, f"SELECT partition, next_offset FROM consumer_offsets WHERE group_id = '{group}'"
     )
     return {int(row[0]): int(row[1]) for row in rows if row[1] is not None}
-
-
-async def markers(url: str) -> int:
-    return int(await scalar(url, "SELECT count(*) FROM inbox"))
 
 
 async def kill(worker: KafkaWorker) -> None:
@@ -91,17 +88,17 @@ async def test_offsets_in_the_database_three_workers_kills_and_a_database_outage
             await produce(kafka.bootstrap_servers, topic, chunk())
             half = (n + 1) * size // 2
             if n == 1:  # a dies mid-stream with work in flight; its pod comes back
-                await wait_for(lambda h=half: _at_least(url, h), 60, "progress", step=0.1)
+                await wait_for(functools.partial(_at_least, url, half), 60, "progress", step=0.1)
                 await kill(live.pop("a"))
                 live["a2"] = spawn(env, "a2")
                 await started(live["a2"])
             elif n == 3:  # the database goes away for everyone, and comes back
-                await wait_for(lambda h=half: _at_least(url, h), 60, "progress", step=0.1)
+                await wait_for(functools.partial(_at_least, url, half), 60, "progress", step=0.1)
                 await proxy.cut()
                 await asyncio.sleep(2.0)
                 await proxy.start()
             elif n == 4:
-                await wait_for(lambda h=half: _at_least(url, h), 60, "progress", step=0.1)
+                await wait_for(functools.partial(_at_least, url, half), 60, "progress", step=0.1)
                 await kill(live.pop("b"))
                 live["b2"] = spawn(env, "b2")
                 await started(live["b2"])
@@ -118,7 +115,7 @@ async def test_offsets_in_the_database_three_workers_kills_and_a_database_outage
         await proxy.cut()
 
     assert await balances(url) == dict(expected)
-    assert await markers(url) == total  # one marker per record: its coordinates
+    assert await marker_count(url) == total  # one marker per record: its coordinates
     assert await scalar(url, "SELECT count(DISTINCT message_id) FROM inbox") == total
     assert await stored(url, kafka.group_id) == marks
 
@@ -128,8 +125,12 @@ async def started(worker: KafkaWorker) -> None:
     await wait_for(lambda: worker.logged("pump started"), 30, f"{worker.log_path.name} up")
 
 
+def _ended_or_dead_lettered(worker: KafkaWorker) -> bool:
+    return worker.process.poll() is not None or worker.logged("dead-lettered")
+
+
 async def _at_least(url: str, rows: int) -> bool:
-    return await markers(url) >= rows
+    return await marker_count(url) >= rows
 
 
 async def _equals(value: Awaitable[object], expected: object) -> bool:
@@ -169,7 +170,7 @@ async def test_a_record_that_kills_its_worker_is_dead_lettered_after_max_deliver
     for attempt in range(limit + 3):  # bounded: without durable counts it never ends
         worker = spawn(env, f"w{attempt}")
         await wait_for(
-            lambda w=worker: w.process.poll() is not None or w.logged("dead-lettered"),
+            functools.partial(_ended_or_dead_lettered, worker),
             30,
             "the worker to die or to dead-letter",
             step=0.1,

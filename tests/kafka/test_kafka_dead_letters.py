@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 from collections.abc import Awaitable, Callable
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -16,11 +14,12 @@ from handlers.credit import CreditRequested, apply_credit
 from tests.kafka.kafka_helpers import committed_is, credit, header, produce, read_all, worker_env
 from tests.support.database import balances, fetch
 from tests.support.processes import arun_cli
+from tests.support.pumps import MakeSettings, engine_for, running_pump
 from tests.support.waiting import wait_for
 from worker.brokers.kafka import KafkaAdmin, KafkaBroker, KafkaSettings
-from worker.db import create_engine
 from worker.pump import Pump
 from worker.registry import Context, Registry
+from worker.settings import Settings
 
 pytestmark = pytest.mark.kafka
 
@@ -44,7 +43,7 @@ async def test_poison_and_exhausted_records_reach_the_dead_letter_topic(
     bootstrap: str,
     sqlite_template: Path,
     tmp_path: Path,
-    make_settings: Callable[..., Any],
+    make_settings: MakeSettings,
 ) -> None:
     topic = await new_topic(1)
     dlt = f"{topic}.DLT"
@@ -68,18 +67,14 @@ async def test_poison_and_exhausted_records_reach_the_dead_letter_topic(
     url = f"sqlite+aiosqlite:///{database}"
     kafka = kafka_settings(topic, topic_types={topic: "CreditRequested"})
     settings = make_settings(database_url=url, max_deliveries=2)
-    engine = create_engine(url)
-    pump = Pump(KafkaBroker(settings, kafka), engine, registry(), settings)
-    running = asyncio.create_task(pump.run())
-    try:
+    async with (
+        engine_for(url) as engine,
+        running_pump(KafkaBroker(settings, kafka), engine, registry(), settings) as pump,
+    ):
         # the partition moves past every dead letter: all seven are committed
         await wait_for(
             lambda: committed_is(bootstrap, kafka.group_id, topic, 7), 30, "offset 7", step=0.3
         )
-    finally:
-        pump.stop()
-        await asyncio.wait_for(running, 30)
-        await engine.dispose()
     assert pump.stats["dead-letter"] == 4
     assert await balances(url) == {"acct-1": Decimal("7.50")}
     ids = {row[0] for row in await fetch(url, "SELECT message_id FROM inbox")}
@@ -119,24 +114,25 @@ async def test_poison_and_exhausted_records_reach_the_dead_letter_topic(
 
 
 async def run_until_committed(
-    kafka: KafkaSettings, url: str, settings: Any, bootstrap: str, offset: int, seconds: float
+    kafka: KafkaSettings,
+    url: str,
+    settings: Settings,
+    bootstrap: str,
+    offset: int,
+    seconds: float,
 ) -> Pump:
     """Run a pump on ``kafka`` until the group committed ``offset`` on partition 0."""
     topic = kafka.topic_list[0]
-    engine = create_engine(url)
-    pump = Pump(KafkaBroker(settings, kafka), engine, registry(), settings)
-    running = asyncio.create_task(pump.run())
-    try:
+    async with (
+        engine_for(url) as engine,
+        running_pump(KafkaBroker(settings, kafka), engine, registry(), settings) as pump,
+    ):
         await wait_for(
             lambda: committed_is(bootstrap, kafka.group_id, topic, offset),
             seconds,
             f"offset {offset}",
             step=0.3,
         )
-    finally:
-        pump.stop()
-        await asyncio.wait_for(running, 30)
-        await engine.dispose()
     return pump
 
 
@@ -150,7 +146,7 @@ async def test_a_dead_letter_too_large_for_the_producer_is_sent_reduced(
     bootstrap: str,
     sqlite_template: Path,
     tmp_path: Path,
-    make_settings: Callable[..., Any],
+    make_settings: MakeSettings,
     max_request_size: int | None,
 ) -> None:
     """Issue 15 item 3: a deterministic refusal of the dead letter must not rewind forever."""

@@ -13,12 +13,12 @@ from pydantic import BaseModel
 
 from tests.kafka.kafka_helpers import produce
 from tests.support.database import fetch
+from tests.support.pumps import engine_for, running_pump
 from tests.support.waiting import wait_for
 from worker.brokers.kafka import KafkaBroker, KafkaSettings
 from worker.db import create_engine
 from worker.delivery import Delivery
 from worker.errors import ConfigurationError
-from worker.pump import Pump
 from worker.registry import Context, Registry
 from worker.settings import Settings, load
 
@@ -85,15 +85,11 @@ async def test_redeliveries_are_counted_and_first_deliveries_only_when_asked(
         if message.tag == "flaky" and ctx.delivery_count == 1:
             raise RuntimeError("the first try fails")
 
-    engine = create_engine(url)
-    pump = Pump(KafkaBroker(settings, kafka), engine, registry, settings)
-    task = asyncio.create_task(pump.run())
-    try:
+    async with (
+        engine_for(url) as engine,
+        running_pump(KafkaBroker(settings, kafka), engine, registry, settings),
+    ):
         await wait_for(lambda: len(seen) == 4, 30, "four handler runs")
-    finally:
-        pump.stop()
-        await task
-        await engine.dispose()
     assert seen == [("ok", 1), ("flaky", 1), ("flaky", 2), ("ok-2", 1)]
     if first:  # every delivery: one round trip each
         assert await counts(url) == {"ok": 1, "flaky": 2, "ok-2": 1}

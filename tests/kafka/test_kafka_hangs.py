@@ -8,12 +8,12 @@ import shutil
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from pydantic import BaseModel
 
 from tests.kafka.kafka_helpers import committed, produce
+from tests.support.pumps import MakeSettings
 from tests.support.waiting import wait_for
 from worker.brokers.kafka import KafkaBroker, KafkaSettings
 from worker.db import create_engine
@@ -103,7 +103,7 @@ async def test_a_handler_that_outlives_its_time_limit_loses_its_partition_to_ano
     bootstrap: str,
     sqlite_template: Path,
     tmp_path: Path,
-    make_settings: Callable[..., Any],
+    make_settings: MakeSettings,
 ) -> None:
     """End to end with the pump's WORKER_HANDLER_TIMEOUT: a handler that swallows the
     cancellation keeps running; the watchdog moves its partition to the other pump."""

@@ -11,18 +11,15 @@ implement: docs/kafka.md, "Testing against librdkafka's mock cluster".
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
 
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from handlers.credit import CreditRequested, apply_credit
 from tests.kafka.kafka_helpers import (
     committed_is,
     credit,
@@ -34,19 +31,18 @@ from tests.kafka.kafka_helpers import (
     worker_env,
 )
 from tests.outbox.outbox_helpers import fast_outbox, outbox_rows, publish_rows
+from tests.support.credits import credit_registry
 from tests.support.database import balances
 from tests.support.kafka_mock import INIT_PRODUCER_ID, MockCluster, running_mock_cluster
 from tests.support.processes import arun_cli
+from tests.support.pumps import MakeSettings, engine_for, running_pump
 from tests.support.services import unavailable
 from tests.support.tansu import Tansu
 from tests.support.waiting import wait_for
 from worker import outbox
 from worker.brokers.kafka import KafkaBroker, KafkaPublisher
 from worker.brokers.publishers import Outgoing
-from worker.db import create_engine
 from worker.errors import ConfigurationError
-from worker.pump import Pump
-from worker.registry import Context, Registry
 
 
 @pytest.fixture(scope="module")
@@ -62,21 +58,11 @@ def init_producer_ids(mock: MockCluster) -> int:
     return mock.request_counts().get(INIT_PRODUCER_ID, 0)
 
 
-def credit_registry() -> Registry:
-    registry = Registry()
-
-    @registry.handler("CreditRequested", CreditRequested, consumer="credit")
-    async def credit(ctx: Context, message: CreditRequested) -> None:
-        await apply_credit(ctx, message)
-
-    return registry
-
-
 async def test_the_dead_letter_producer_is_idempotent_and_delivers_the_reason(
     mock: MockCluster,
     sqlite_template: Path,
     tmp_path: Path,
-    make_settings: Callable[..., Any],
+    make_settings: MakeSettings,
 ) -> None:
     """A poison record, consumed by the worker's Kafka adapter in a consumer group, ends
     on ``<topic>.DLT`` with its reason, sent by the idempotent producer; the partition
@@ -99,17 +85,13 @@ async def test_the_dead_letter_producer_is_idempotent_and_delivers_the_reason(
     kafka = settings_for(mock.bootstrap, topic, idempotent_producer=True)
     settings = make_settings(database_url=url)
     before = init_producer_ids(mock)
-    engine = create_engine(url)
-    pump = Pump(KafkaBroker(settings, kafka), engine, credit_registry(), settings)
-    running = asyncio.create_task(pump.run())
-    try:
+    async with (
+        engine_for(url) as engine,
+        running_pump(KafkaBroker(settings, kafka), engine, credit_registry(), settings) as pump,
+    ):
         await wait_for(
             lambda: committed_is(mock.bootstrap, kafka.group_id, topic, 3), 20, "offset 3", 0.1
         )
-    finally:
-        pump.stop()
-        await asyncio.wait_for(running, 20)
-        await engine.dispose()
     assert init_producer_ids(mock) - before == 1  # the dead-letter producer, idempotent
     assert (pump.stats["committed"], pump.stats["dead-letter"]) == (2, 1)
     assert await balances(url) == {"acct-1": Decimal("3.50")}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.kafka.kafka_helpers import KafkaWorker, committed, credit, produce, worker_env
-from tests.support.database import scalar
+from tests.support.database import marker_count
 from tests.support.waiting import wait_for
 from worker.brokers.kafka import KafkaBroker, KafkaSettings
 from worker.settings import Settings
@@ -47,9 +47,7 @@ async def test_a_stalled_member_does_not_move_the_committed_offset_back(
     # one worker process: the SQLite inbox is not shared by replicas here
     a = spawn(worker_env(kafka, url, WORKER_ALLOW_SQLITE_WITH_NETWORK_BROKER="true"), "a")
     await wait_for(lambda: a.assigned(), 30, "a's assignment")
-    await wait_for(
-        lambda: _equals(scalar(url, "SELECT count(*) FROM inbox"), 5), 30, "a's five credits"
-    )
+    await wait_for(lambda: _equals(marker_count(url), 5), 30, "a's five credits")
     assert await committed(bootstrap, group, topic, 1) == {0: -1}
 
     a.signal(signal.SIGSTOP)

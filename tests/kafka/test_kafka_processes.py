@@ -30,7 +30,7 @@ from tests.kafka.kafka_helpers import (
     topic_records,
     worker_env,
 )
-from tests.support.database import balances, scalar
+from tests.support.database import balances, marker_count, scalar
 from tests.support.processes import WorkerProcess, arun_cli
 from tests.support.waiting import wait_for
 from worker.brokers.kafka import KafkaSettings
@@ -81,18 +81,14 @@ class Stream:
         return "\n".join(out) + "\n"
 
 
-async def inbox_rows(url: str) -> int:
-    return int(await scalar(url, "SELECT count(*) FROM inbox"))
-
-
 async def assert_exactly_once(url: str, stream: Stream) -> None:
     assert await balances(url) == dict(stream.expected)
-    assert await inbox_rows(url) == len(stream.ids)
+    assert await marker_count(url) == len(stream.ids)
     assert await scalar(url, "SELECT count(DISTINCT message_id) FROM inbox") == len(stream.ids)
 
 
 async def drained(kafka: KafkaSettings, topic: str, partitions: int, url: str, n: int) -> bool:
-    if await inbox_rows(url) < n:
+    if await marker_count(url) < n:
         return False
     return await lag(kafka.bootstrap_servers, kafka.group_id, topic, partitions) == 0
 
@@ -138,7 +134,7 @@ async def test_sigkill_between_database_commit_and_offset_commit(
 
 
 async def _at_least(url: str, rows: int) -> bool:
-    return await inbox_rows(url) >= rows
+    return await marker_count(url) >= rows
 
 
 @pytest.mark.parametrize("ordering", ["partition", "key"])

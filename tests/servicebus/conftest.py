@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from tests.servicebus.fake import Entity, FakeServiceBus
+from tests.servicebus.sb_helpers import StartConsumer
 from tests.servicebus.sb_settings import sb_settings
 from worker.brokers.servicebus import ServiceBusConsumer
 
@@ -24,7 +25,7 @@ def queue(bus: FakeServiceBus) -> Entity:
 
 
 @pytest.fixture
-async def consumers(bus: FakeServiceBus) -> AsyncIterator[Callable[..., Any]]:
+async def consumers(bus: FakeServiceBus) -> AsyncIterator[StartConsumer]:
     """Start consumers on the fake; every one is closed at the end."""
     started: list[ServiceBusConsumer] = []
 

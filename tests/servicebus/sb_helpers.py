@@ -4,15 +4,18 @@ consumer, poll a condition."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-import pytest
 from azure.servicebus import ServiceBusMessage
 
 from tests.servicebus.fake import FakeServiceBus
 from worker.brokers.servicebus import ServiceBusConsumer
 from worker.delivery import Delivery
+
+StartConsumer = Callable[..., Awaitable[ServiceBusConsumer]]
+"""The ``consumers`` fixture (tests/servicebus/conftest.py): ``await consumers(slots,
+**settings)`` starts a consumer on the fake, closed at the end of the test."""
 
 
 async def send(bus: FakeServiceBus, *messages: ServiceBusMessage, queue: str = "work") -> None:
@@ -30,11 +33,3 @@ def msg(message_id: Any = "m-1", **kwargs: Any) -> ServiceBusMessage:
 async def take(consumer: ServiceBusConsumer, seconds: float = 3.0) -> Delivery:
     async with asyncio.timeout(seconds):
         return await consumer.receive()
-
-
-async def until(predicate: Callable[[], bool], seconds: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + seconds
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            pytest.fail(f"not true within {seconds}s")
-        await asyncio.sleep(0.01)

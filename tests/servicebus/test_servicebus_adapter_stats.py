@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 from azure.servicebus import ServiceBusMessage
 
 from tests.servicebus.fake import FakeServiceBus
+from tests.servicebus.sb_helpers import StartConsumer
 from tests.servicebus.sb_settings import sb_settings
 from tests.support.waiting import wait_for
 from worker.brokers import Broker
@@ -31,7 +30,7 @@ def test_the_destination_is_the_queue_or_the_topic_subscription() -> None:
 
 
 async def test_a_receive_failure_and_a_refused_settlement_move_the_tallies(
-    bus: FakeServiceBus, consumers: Callable[..., Any]
+    bus: FakeServiceBus, consumers: StartConsumer
 ) -> None:
     bus.create_queue("work")
     consumer = await consumers()

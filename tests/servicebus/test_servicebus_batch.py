@@ -9,17 +9,15 @@ import json
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from azure.servicebus import ServiceBusMessage
 
 from handlers.credit import CreditRequested
 from tests.servicebus.fake import FakeServiceBus
 from tests.servicebus.sb_settings import sb_settings
+from tests.support.pumps import engine_for, running_pump
 from tests.support.waiting import wait_for
 from worker.brokers.servicebus import ServiceBusConsumer
-from worker.db import create_engine
-from worker.pump import Pump
 from worker.registry import BatchContext, Registry
 from worker.settings import Settings
 
@@ -50,18 +48,13 @@ async def test_a_batch_longer_than_the_lock_completes_every_message(
     shutil.copy(sqlite_template, path)
     url = f"sqlite+aiosqlite:///{path}"
     settings = Settings(database_url=url, concurrency=1, batch_size=4, batch_wait=0.5)
-    engine = create_engine(url)
     consumer = ServiceBusConsumer(sb_settings(), bus.client)
-    pump = Pump(consumer, engine, registry, settings, name="sb-batch")
-    task = asyncio.create_task(pump.run())
-    stats: Any = queue.stats
-    try:
-        await wait_for(lambda: stats["complete"] >= 4 or task.done(), 15, "four completes")
-    finally:
-        pump.stop()
-        async with asyncio.timeout(30):
-            await task
-        await engine.dispose()
+    stats = queue.stats
+    async with (
+        engine_for(url) as engine,
+        running_pump(consumer, engine, registry, settings, name="sb-batch") as pump,
+    ):
+        await wait_for(lambda: stats["complete"] >= 4, 15, "four completes")
     assert sizes == [4]  # one batch, never redelivered
     assert stats["renewed"] >= 4 and stats["lock_expired"] == 0
     assert stats["complete"] == 4 and pump.stats["committed"] == 4

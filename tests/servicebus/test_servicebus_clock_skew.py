@@ -5,14 +5,12 @@ use, and warns (once a minute, counting every message) when they disagree."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import structlog
 
 from tests.servicebus.fake import Entity, FakeServiceBus
-from tests.servicebus.sb_helpers import msg, send, take
+from tests.servicebus.sb_helpers import StartConsumer, msg, send, take
 from worker.brokers.servicebus import messages
 
 
@@ -20,7 +18,7 @@ from worker.brokers.servicebus import messages
 async def test_clock_skew_is_detected_and_logged_at_receive(
     bus: FakeServiceBus,
     queue: Entity,
-    consumers: Callable[..., Any],
+    consumers: StartConsumer,
     monkeypatch: pytest.MonkeyPatch,
     offset: float,
     side: str,
@@ -42,7 +40,7 @@ async def test_clock_skew_is_detected_and_logged_at_receive(
 
 
 async def test_a_true_clock_logs_no_skew(
-    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+    bus: FakeServiceBus, queue: Entity, consumers: StartConsumer
 ) -> None:
     await send(bus, msg("a"))
     with structlog.testing.capture_logs() as logs:

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Callable
-from typing import Any
 
 from tests.servicebus.fake import Entity, FakeServiceBus
-from tests.servicebus.sb_helpers import msg, send, take, until
+from tests.servicebus.sb_helpers import StartConsumer, msg, send, take
 from tests.servicebus.sb_settings import sb_settings
+from tests.support.waiting import wait_for
 from worker.brokers import OutgoingMessage
 from worker.brokers.servicebus import ServiceBusAdmin
 
@@ -18,7 +17,7 @@ from worker.brokers.servicebus import ServiceBusAdmin
 
 
 async def test_delivery_fields_and_the_count_from_one(
-    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+    bus: FakeServiceBus, queue: Entity, consumers: StartConsumer
 ) -> None:
     properties = {"type": "CreditRequested", "tenant": "t1", "attempt": 3}
     await send(bus, msg("m-1", application_properties=properties, subject="Ignored"))
@@ -35,7 +34,7 @@ async def test_delivery_fields_and_the_count_from_one(
 
 
 async def test_type_from_property_then_subject_then_entity_mapping(
-    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+    bus: FakeServiceBus, queue: Entity, consumers: StartConsumer
 ) -> None:
     await send(
         bus,
@@ -64,7 +63,7 @@ async def test_publish_without_an_id_sends_none(bus: FakeServiceBus, queue: Enti
 
 
 async def test_message_ids_are_strings_or_none(
-    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+    bus: FakeServiceBus, queue: Entity, consumers: StartConsumer
 ) -> None:
     key = uuid.uuid4()
     await send(bus, msg(None), msg(key))  # AMQP allows a uuid as message-id
@@ -77,20 +76,22 @@ async def test_message_ids_are_strings_or_none(
 
 
 async def test_prefetch_follows_concurrency_and_bounds_what_is_locked(
-    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+    bus: FakeServiceBus, queue: Entity, consumers: StartConsumer
 ) -> None:
     await send(bus, *(msg(str(n)) for n in range(10)))
     consumer = await consumers(slots=3)
     assert bus.receivers[-1].prefetch_count == 3
-    await until(lambda: queue.locked == 3)
+    await wait_for(lambda: queue.locked == 3, 5.0, "three locked", step=0.01)
     await asyncio.sleep(0.3)
     assert queue.locked == 3  # nobody settles: nothing more is taken
     await (await take(consumer)).ack()
-    await until(lambda: queue.locked == 3 and queue.active == 6)
+    await wait_for(
+        lambda: queue.locked == 3 and queue.active == 6, 5.0, "three locked, six active", step=0.01
+    )
 
 
 async def test_the_sdk_prefetch_can_be_set_apart(
-    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+    bus: FakeServiceBus, queue: Entity, consumers: StartConsumer
 ) -> None:
     await consumers(slots=8, prefetch=0)
     assert bus.receivers[-1].prefetch_count == 0

@@ -4,19 +4,16 @@ the link stays up."""
 
 from __future__ import annotations
 
-import asyncio
-
 import structlog
 from azure.servicebus import ServiceBusMessage, ServiceBusReceivedMessage
 
 from tests.servicebus.fake import FakeServiceBus
+from tests.servicebus.sb_helpers import take
 from tests.servicebus.sb_settings import sb_settings
 from worker.brokers.servicebus import (
-    ServiceBusConsumer,
     default_message_id,
     open_broker,
 )
-from worker.delivery import Delivery
 from worker.settings import Settings
 
 
@@ -33,11 +30,6 @@ async def send(bus: FakeServiceBus, *message_ids: str) -> None:
         for m in message_ids
     ]
     await bus.client().get_queue_sender("work").send_messages(messages)
-
-
-async def take(consumer: ServiceBusConsumer, seconds: float) -> Delivery:
-    async with asyncio.timeout(seconds):
-        return await consumer.receive()
 
 
 async def test_an_id_function_that_raises_costs_only_its_own_message(bus: FakeServiceBus) -> None:

@@ -4,14 +4,12 @@ message carries, listing dead letters and re-submitting them, on a queue and a t
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 from azure.servicebus import ServiceBusSubQueue
 
 from tests.servicebus.fake import Entity, FakeServiceBus
-from tests.servicebus.sb_helpers import msg, send, take
+from tests.servicebus.sb_helpers import StartConsumer, msg, send, take
 from tests.servicebus.sb_settings import sb_settings
 from worker import cli
 from worker.brokers import OutgoingMessage
@@ -40,7 +38,7 @@ async def test_publish_sets_id_type_subject_and_headers(bus: FakeServiceBus, que
 async def test_dlq_lists_reason_and_description_then_resubmits(
     bus: FakeServiceBus,
     queue: Entity,
-    consumers: Callable[..., Any],
+    consumers: StartConsumer,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

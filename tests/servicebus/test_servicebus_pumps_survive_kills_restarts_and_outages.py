@@ -14,11 +14,9 @@ import asyncio
 import contextlib
 import json
 from collections import Counter
-from collections.abc import Callable
 from decimal import Decimal
 from urllib.parse import urlsplit
 
-import pytest
 from pydantic import SecretStr
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -26,6 +24,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from handlers.credit import Account, CreditRequested, apply_credit
 from tests.servicebus.fake import FakeClient, FakeServiceBus
 from tests.support.proxy import TcpProxy
+from tests.support.pumps import engine_for, running_pump
+from tests.support.waiting import wait_for
 from worker.brokers import OutgoingMessage
 from worker.brokers.servicebus import ServiceBusAdmin, ServiceBusConsumer, ServiceBusSettings
 from worker.db import create_engine
@@ -103,14 +103,6 @@ def credits() -> tuple[list[OutgoingMessage], dict[str, Decimal]]:
     return messages, expected
 
 
-async def until(predicate: Callable[[], bool], seconds: float, what: str) -> None:
-    deadline = asyncio.get_running_loop().time() + seconds
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            pytest.fail(f"timed out after {seconds}s waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
 async def test_several_pumps_duplicates_and_a_killed_worker(database_url: str) -> None:
     bus = FakeServiceBus()
     queue = bus.create_queue("work", lock_duration=3.0, max_delivery_count=10)
@@ -140,17 +132,18 @@ async def test_several_pumps_duplicates_and_a_killed_worker(database_url: str) -
 
     producer = asyncio.create_task(produce())
     victim = workers[0]
-    await until(
+    await wait_for(
         lambda: victim.pump.stats["ack"] >= 20 and victim.consumer.unsettled > 0,
         30,
         "the first worker to be busy",
+        step=0.02,
     )
     victim.process.kill()
     await victim.stop()  # nothing it held can be settled now: its locks must run out
     workers.append(Worker(bus, sb, settings, "replacement"))
 
     await producer
-    await until(lambda: bus.idle, 60, "every message settled")
+    await wait_for(lambda: bus.idle, 60, "every message settled", step=0.02)
     for worker in workers[1:]:
         await worker.stop()
     await admin.close()
@@ -215,19 +208,16 @@ async def test_graceful_restarts_holding_a_full_prefetch_spend_no_delivery(
         if restart == RESTARTS:
             release.set()
         consumer = ServiceBusConsumer(sb, bus.client)
-        engine = create_engine(settings.database_url, pool_size=settings.pool_size)
-        pump = Pump(consumer, engine, handlers, settings, name=f"restart-{restart}")
-        task = asyncio.create_task(pump.run())
-        try:
+        async with (
+            engine_for(settings.database_url, pool_size=settings.pool_size) as engine,
+            running_pump(consumer, engine, handlers, settings, name=f"restart-{restart}") as pump,
+        ):
             if restart < RESTARTS:
-                await until(lambda p=pump: p.in_flight == 4, 10, "four handlers running")
+                await wait_for(lambda: pump.in_flight == 4, 10, "four handlers running", step=0.02)
             else:
-                await until(lambda p=pump: p.stats["ack"] == HELD, 20, "every message acked")
-        finally:
-            pump.stop()
-            async with asyncio.timeout(30):
-                await task
-            await engine.dispose()
+                await wait_for(
+                    lambda: pump.stats["ack"] == HELD, 20, "every message acked", step=0.02
+                )
 
     assert queue.dead_letter is not None and queue.dead_letter.count == 0
     assert queue.count == 0 and queue.stats["lock_expired"] == 0
@@ -282,21 +272,18 @@ async def test_a_database_outage_longer_than_lock_renewal_spends_no_delivery(
     await admin.publish([OutgoingMessage(f"m-{n}", "CreditRequested", body) for n in range(total)])
     await admin.close()
     consumer = ServiceBusConsumer(sb, bus.client)
-    engine = create_engine(proxied, pool_size=6)
-    pump = Pump(consumer, engine, handlers, settings, name="outage")
-    task = asyncio.create_task(pump.run())
     try:
-        await until(lambda: pump.stats["ack"] >= 10, 20, "some work done")
-        await proxy.cut()
-        await until(lambda: not pump.ready, 10, "the pump to pause")
-        await asyncio.sleep(8.0)  # > 5 renewal windows, > 2 lock durations
-        await proxy.start()
-        await until(lambda: bus.idle, 60, "every message settled")
+        async with (
+            engine_for(proxied, pool_size=6) as engine,
+            running_pump(consumer, engine, handlers, settings, name="outage") as pump,
+        ):
+            await wait_for(lambda: pump.stats["ack"] >= 10, 20, "some work done", step=0.02)
+            await proxy.cut()
+            await wait_for(lambda: not pump.ready, 10, "the pump to pause", step=0.02)
+            await asyncio.sleep(8.0)  # > 5 renewal windows, > 2 lock durations
+            await proxy.start()
+            await wait_for(lambda: bus.idle, 60, "every message settled", step=0.02)
     finally:
-        pump.stop()
-        async with asyncio.timeout(30):
-            await task
-        await engine.dispose()
         with contextlib.suppress(Exception):
             await proxy.cut()
 
@@ -311,4 +298,5 @@ async def test_a_database_outage_longer_than_lock_renewal_spends_no_delivery(
             balance = await connection.scalar(select(Account.balance).where(Account.id == "acct"))
     finally:
         await engine.dispose()
+    assert balance is not None
     assert Decimal(balance) == total

@@ -4,16 +4,15 @@ a retired receiver's messages still settle, and shutdown gives back what is unse
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any
 
 from tests.servicebus.fake import Entity, FakeServiceBus
-from tests.servicebus.sb_helpers import msg, send, take, until
+from tests.servicebus.sb_helpers import StartConsumer, msg, send, take
+from tests.support.waiting import wait_for
 from worker.brokers.servicebus import ServiceBusConsumer
 
 
 async def test_receive_failures_recreate_client_and_receiver_and_report_not_ready(
-    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+    bus: FakeServiceBus, queue: Entity, consumers: StartConsumer
 ) -> None:
     consumer = await consumers()
     assert consumer.ready
@@ -36,25 +35,25 @@ async def _watch(consumer: ServiceBusConsumer, seen: list[bool]) -> None:
 
 
 async def test_messages_of_a_retired_receiver_can_still_be_settled(
-    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+    bus: FakeServiceBus, queue: Entity, consumers: StartConsumer
 ) -> None:
     await send(bus, msg("m"))
     consumer = await consumers()
     delivery = await take(consumer)
     old = delivery._handle.link
     bus.fail("receive")
-    await until(lambda: consumer.stats["reconnected"] >= 1)
+    await wait_for(lambda: consumer.stats["reconnected"] >= 1, 5.0, "the reconnect", step=0.01)
     assert old.retired and not old.receiver._shutdown  # kept open for its unsettled message
     await delivery.ack()
     assert queue.stats["complete"] == 1 and old.receiver._shutdown
 
 
 async def test_shutdown_gives_back_everything_unsettled_at_once(
-    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+    bus: FakeServiceBus, queue: Entity, consumers: StartConsumer
 ) -> None:
     await send(bus, msg("a"), msg("b"), msg("c"))
     consumer = await consumers()
-    await until(lambda: queue.locked == 3)
+    await wait_for(lambda: queue.locked == 3, 5.0, "three locked", step=0.01)
     held = await take(consumer)  # the pump's: in flight, never settled
     await consumer.stop_receiving()
     assert not consumer.ready

@@ -5,15 +5,12 @@ as soon as the lock is lost."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any
 
 from azure.servicebus import ServiceBusMessage
 from azure.servicebus.exceptions import MessageLockLostError
 
 from tests.servicebus.fake import FakeServiceBus
-from worker.brokers.servicebus import ServiceBusConsumer
-from worker.delivery import Delivery
+from tests.servicebus.sb_helpers import StartConsumer, take
 
 
 async def send(bus: FakeServiceBus, *message_ids: str) -> None:
@@ -24,13 +21,8 @@ async def send(bus: FakeServiceBus, *message_ids: str) -> None:
     await bus.client().get_queue_sender("work").send_messages(messages)
 
 
-async def take(consumer: ServiceBusConsumer, seconds: float) -> Delivery:
-    async with asyncio.timeout(seconds):
-        return await consumer.receive()
-
-
 async def test_a_retry_delay_past_lock_renewal_is_cut_to_it(
-    bus: FakeServiceBus, consumers: Callable[..., Any]
+    bus: FakeServiceBus, consumers: StartConsumer
 ) -> None:
     queue = bus.create_queue("work", lock_duration=4.0)
     await send(bus, "m1", "m2")
@@ -54,7 +46,7 @@ async def test_a_retry_delay_past_lock_renewal_is_cut_to_it(
 
 
 async def test_without_lock_renewal_a_retry_delay_abandons_at_once(
-    bus: FakeServiceBus, consumers: Callable[..., Any]
+    bus: FakeServiceBus, consumers: StartConsumer
 ) -> None:
     queue = bus.create_queue("work", lock_duration=5.0)
     await send(bus, "m1")
@@ -67,7 +59,7 @@ async def test_without_lock_renewal_a_retry_delay_abandons_at_once(
 
 
 async def test_a_lock_lost_during_a_retry_delay_frees_the_slot(
-    bus: FakeServiceBus, consumers: Callable[..., Any]
+    bus: FakeServiceBus, consumers: StartConsumer
 ) -> None:
     # A 3 s lock is first renewed at about 2 s; that renewal fails.
     queue = bus.create_queue("work", lock_duration=3.0)
@@ -88,7 +80,7 @@ async def test_a_lock_lost_during_a_retry_delay_frees_the_slot(
 
 
 async def test_close_during_a_retry_delay_abandons_at_once(
-    bus: FakeServiceBus, consumers: Callable[..., Any]
+    bus: FakeServiceBus, consumers: StartConsumer
 ) -> None:
     queue = bus.create_queue("work", lock_duration=5.0)
     await send(bus, "m1")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import sys
 import types
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -15,6 +14,7 @@ import structlog
 from azure.servicebus.aio import ServiceBusClient
 
 from tests.servicebus.fake import Entity, FakeServiceBus
+from tests.servicebus.sb_helpers import StartConsumer
 from tests.servicebus.sb_settings import CONNECTION_STRING, SECRET, sb_settings
 from worker.brokers import open_admin, open_broker
 from worker.brokers.servicebus import (
@@ -128,14 +128,14 @@ async def test_worker_broker_servicebus_opens_this_adapter(monkeypatch: pytest.M
 
 
 async def test_start_fails_in_one_line_when_the_entity_is_missing(
-    bus: FakeServiceBus, consumers: Callable[..., Any]
+    bus: FakeServiceBus, consumers: StartConsumer
 ) -> None:
     with pytest.raises(BrokerUnavailable, match="MessagingEntityNotFoundError"):
         await consumers(queue="nowhere")
 
 
 async def test_a_hanging_open_is_bounded(
-    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+    bus: FakeServiceBus, queue: Entity, consumers: StartConsumer
 ) -> None:
     bus.hang("open")
     loop = asyncio.get_running_loop()

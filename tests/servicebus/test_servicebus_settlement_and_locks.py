@@ -4,21 +4,20 @@ what a refused settlement becomes, and locks renewed or lost while a handler run
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 from azure.servicebus.exceptions import MessageLockLostError
 
 from tests.servicebus.fake import Entity, FakeServiceBus
-from tests.servicebus.sb_helpers import msg, send, take, until
+from tests.servicebus.sb_helpers import StartConsumer, msg, send, take
+from tests.support.waiting import wait_for
 from worker.errors import AlreadySettled, SettlementLost
 
 # -- settlement ---------------------------------------------------------------------------
 
 
 async def test_ack_completes_nack_abandons_dead_letter_records_why(
-    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+    bus: FakeServiceBus, queue: Entity, consumers: StartConsumer
 ) -> None:
     await send(bus, msg("a"), msg("n"), msg("d"))
     consumer = await consumers()
@@ -39,7 +38,7 @@ async def test_ack_completes_nack_abandons_dead_letter_records_why(
 
 
 async def test_settling_on_an_expired_lock_is_settlement_lost(
-    bus: FakeServiceBus, consumers: Callable[..., Any]
+    bus: FakeServiceBus, consumers: StartConsumer
 ) -> None:
     queue = bus.create_queue("work", lock_duration=0.3)
     await send(bus, msg("m"))
@@ -55,7 +54,7 @@ async def test_settling_on_an_expired_lock_is_settlement_lost(
 
 
 async def test_settled_elsewhere_is_already_settled_not_success(
-    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+    bus: FakeServiceBus, queue: Entity, consumers: StartConsumer
 ) -> None:
     await send(bus, msg("m"))
     consumer = await consumers()
@@ -68,7 +67,7 @@ async def test_settled_elsewhere_is_already_settled_not_success(
 
 @pytest.mark.parametrize("how", ["receiver closed", "connection error"])
 async def test_a_settlement_the_broker_cannot_take_is_settlement_lost(
-    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any], how: str
+    bus: FakeServiceBus, queue: Entity, consumers: StartConsumer, how: str
 ) -> None:
     await send(bus, msg("m"))
     consumer = await consumers()
@@ -83,7 +82,7 @@ async def test_a_settlement_the_broker_cannot_take_is_settlement_lost(
 
 
 async def test_a_failed_settlement_stops_renewing_the_lock(
-    bus: FakeServiceBus, consumers: Callable[..., Any]
+    bus: FakeServiceBus, consumers: StartConsumer
 ) -> None:
     queue = bus.create_queue("work", lock_duration=5.0)  # renewed at ~2 s if still renewing
     await send(bus, msg("m"))
@@ -97,7 +96,7 @@ async def test_a_failed_settlement_stops_renewing_the_lock(
 
 
 async def test_nack_with_a_delay_holds_the_lock_then_abandons(
-    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+    bus: FakeServiceBus, queue: Entity, consumers: StartConsumer
 ) -> None:
     await send(bus, msg("m"))
     consumer = await consumers()
@@ -112,9 +111,7 @@ async def test_nack_with_a_delay_holds_the_lock_then_abandons(
 
 
 @pytest.mark.slow
-async def test_a_long_handler_keeps_its_lock(
-    bus: FakeServiceBus, consumers: Callable[..., Any]
-) -> None:
+async def test_a_long_handler_keeps_its_lock(bus: FakeServiceBus, consumers: StartConsumer) -> None:
     queue = bus.create_queue("work", lock_duration=4.0)
     await send(bus, msg("m"))
     consumer = await consumers()
@@ -126,14 +123,14 @@ async def test_a_long_handler_keeps_its_lock(
 
 
 async def test_a_lost_renewal_refuses_the_ack(
-    bus: FakeServiceBus, consumers: Callable[..., Any]
+    bus: FakeServiceBus, consumers: StartConsumer
 ) -> None:
     queue = bus.create_queue("work", lock_duration=4.0)
     bus.fail("renew", lambda: MessageLockLostError(message="lock lost (injected)"))
     await send(bus, msg("m"))
     consumer = await consumers()
     delivery = await take(consumer)
-    await until(lambda: consumer.stats["lock_lost"] == 1, seconds=6)
+    await wait_for(lambda: consumer.stats["lock_lost"] == 1, 6, "the lock lost", step=0.01)
     with pytest.raises(SettlementLost, match="not completed"):
         await delivery.ack()
     assert queue.stats["complete"] == 0 and queue.locked == 1

@@ -10,23 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from typing import Any
+from uuid import UUID
 
 import pytest
 import structlog
 from azure.servicebus import ServiceBusMessage
 
 from tests.servicebus.fake import Entity, FakeServiceBus
+from tests.servicebus.sb_helpers import StartConsumer, send, take
 from tests.servicebus.sb_settings import sb_settings
 from tests.support.waiting import wait_for
 from worker.brokers.servicebus import (
     COPIED_AT_PROPERTY,
     DELIVERIES_PROPERTY,
     ServiceBusAdmin,
-    ServiceBusConsumer,
 )
-from worker.delivery import Delivery
 from worker.errors import SettlementLost
 
 
@@ -35,30 +33,25 @@ def queue(bus: FakeServiceBus) -> Entity:
     return bus.create_queue("work", lock_duration=5.0)
 
 
-def msg(message_id: str, **properties: Any) -> ServiceBusMessage:
+def msg(message_id: str, **properties: str | int) -> ServiceBusMessage:
+    # the SDK's application properties are keyed by str | bytes (a dict: invariant)
+    application: dict[str | bytes, int | float | bytes | str | UUID]
+    application = {"type": "CreditRequested", "tenant": "t1"}
+    application.update(properties.items())
     return ServiceBusMessage(
         b'{"amount": "1"}',
         message_id=message_id,
         subject="CreditRequested",
         correlation_id="conversation-1",
-        application_properties={"type": "CreditRequested", "tenant": "t1", **properties},
+        application_properties=application,
     )
-
-
-async def send(bus: FakeServiceBus, *messages: ServiceBusMessage, queue: str = "work") -> None:
-    await bus.client().get_queue_sender(queue).send_messages(list(messages))
-
-
-async def take(consumer: ServiceBusConsumer, seconds: float = 3.0) -> Delivery:
-    async with asyncio.timeout(seconds):
-        return await consumer.receive()
 
 
 # -- nack(counted=False) -------------------------------------------------------------
 
 
 async def test_an_uncounted_nack_keeps_the_count_and_a_counted_one_still_raises_it(
-    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+    bus: FakeServiceBus, queue: Entity, consumers: StartConsumer
 ) -> None:
     await send(bus, msg("m"))
     consumer = await consumers()
@@ -80,7 +73,7 @@ async def test_an_uncounted_nack_keeps_the_count_and_a_counted_one_still_raises_
 
 
 async def test_the_pump_dead_letters_by_the_carried_count(
-    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+    bus: FakeServiceBus, queue: Entity, consumers: StartConsumer
 ) -> None:
     await send(bus, msg("m"))
     consumer = await consumers()
@@ -96,7 +89,7 @@ async def test_the_pump_dead_letters_by_the_carried_count(
 
 
 async def test_the_copy_is_confirmed_before_the_original_is_released(
-    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+    bus: FakeServiceBus, queue: Entity, consumers: StartConsumer
 ) -> None:
     await send(bus, msg("m"))
     consumer = await consumers(try_timeout=0.3)  # a send is given up after ~1.3 s
@@ -116,7 +109,7 @@ async def test_the_copy_is_confirmed_before_the_original_is_released(
 
 
 async def test_a_refused_copy_falls_back_to_a_counted_abandon(
-    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+    bus: FakeServiceBus, queue: Entity, consumers: StartConsumer
 ) -> None:
     await send(bus, msg("m"))
     consumer = await consumers()
@@ -128,7 +121,7 @@ async def test_a_refused_copy_falls_back_to_a_counted_abandon(
 
 
 async def test_a_complete_that_fails_after_the_copy_leaves_a_duplicate_not_a_loss(
-    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+    bus: FakeServiceBus, queue: Entity, consumers: StartConsumer
 ) -> None:
     await send(bus, msg("m"))
     consumer = await consumers()
@@ -142,7 +135,7 @@ async def test_a_complete_that_fails_after_the_copy_leaves_a_duplicate_not_a_los
 
 
 async def test_a_topic_subscription_abandons_instead_of_copying_to_every_subscription(
-    bus: FakeServiceBus, consumers: Callable[..., Any]
+    bus: FakeServiceBus, consumers: StartConsumer
 ) -> None:
     mine = bus.create_subscription("events", "billing")
     other = bus.create_subscription("events", "audit")
@@ -156,7 +149,7 @@ async def test_a_topic_subscription_abandons_instead_of_copying_to_every_subscri
 
 
 async def test_a_delayed_uncounted_nack_holds_then_copies(
-    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+    bus: FakeServiceBus, queue: Entity, consumers: StartConsumer
 ) -> None:
     await send(bus, msg("m"))
     consumer = await consumers()
@@ -171,12 +164,13 @@ async def test_a_delayed_uncounted_nack_holds_then_copies(
 
 
 async def test_a_dead_letter_moved_back_by_an_operator_tool_starts_fresh(
-    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+    bus: FakeServiceBus, queue: Entity, consumers: StartConsumer
 ) -> None:
     # An operator tool's copy of a dead letter the worker's give-back produced an hour
     # ago: the worker's properties came along, but the broker enqueued it just now.
     an_hour_ago = str(int((time.time() - 3600) * 1000))
-    moved = msg("m", **{DELIVERIES_PROPERTY: 4, COPIED_AT_PROPERTY: an_hour_ago})
+    copied: dict[str, str | int] = {DELIVERIES_PROPERTY: 4, COPIED_AT_PROPERTY: an_hour_ago}
+    moved = msg("m", **copied)
     forged = msg("f", **{DELIVERIES_PROPERTY: "four", COPIED_AT_PROPERTY: "now"})
     await send(bus, moved, forged)
     consumer = await consumers()
@@ -189,7 +183,7 @@ async def test_a_dead_letter_moved_back_by_an_operator_tool_starts_fresh(
 
 
 async def test_worker_dlq_resubmit_of_a_given_back_message_starts_fresh(
-    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+    bus: FakeServiceBus, queue: Entity, consumers: StartConsumer
 ) -> None:
     await send(bus, msg("m"))
     consumer = await consumers()
@@ -214,7 +208,7 @@ async def test_worker_dlq_resubmit_of_a_given_back_message_starts_fresh(
 
 
 async def test_stop_gives_back_untaken_messages_uncounted_and_together(
-    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+    bus: FakeServiceBus, queue: Entity, consumers: StartConsumer
 ) -> None:
     await send(bus, *(msg(f"m-{n}") for n in range(8)))
     consumer = await consumers(slots=8)
@@ -233,7 +227,7 @@ async def test_stop_gives_back_untaken_messages_uncounted_and_together(
 
 
 async def test_stop_is_bounded_when_the_give_back_hangs(
-    bus: FakeServiceBus, queue: Entity, consumers: Callable[..., Any]
+    bus: FakeServiceBus, queue: Entity, consumers: StartConsumer
 ) -> None:
     await send(bus, *(msg(f"m-{n}") for n in range(3)))
     consumer = await consumers(slots=3, give_back_timeout=0.5)
@@ -253,7 +247,7 @@ async def test_stop_is_bounded_when_the_give_back_hangs(
 
 
 async def test_an_untaken_message_goes_back_uncounted_before_renewal_ends(
-    bus: FakeServiceBus, consumers: Callable[..., Any]
+    bus: FakeServiceBus, consumers: StartConsumer
 ) -> None:
     # A 3 s lock, renewed for 1.5 s: without the give-back it would expire at ~4.5 s
     # and come back counted (and, past MaxDeliveryCount, be dead-lettered unread).
@@ -270,7 +264,7 @@ async def test_an_untaken_message_goes_back_uncounted_before_renewal_ends(
 
 
 async def test_a_delivery_the_pump_holds_past_renewal_goes_back_uncounted(
-    bus: FakeServiceBus, consumers: Callable[..., Any]
+    bus: FakeServiceBus, consumers: StartConsumer
 ) -> None:
     # Taken, then held by a paused pump: the lock would expire at ~4.5 s, counted.
     queue = bus.create_queue("work", lock_duration=3.0)
