@@ -29,7 +29,7 @@ from worker import logs
 from worker.brokers import OutgoingMessage
 from worker.brokers.rabbitmq import (
     RabbitMQAdmin,
-    RabbitMQBroker,
+    RabbitMQConsumer,
     RabbitMQSettings,
     delete_topology,
     make_identity,
@@ -42,7 +42,7 @@ async def measure(settings: RabbitMQSettings, messages: int) -> dict[str, Any]:
     body = b'{"account_id": "a", "amount": "1"}'
     await admin.publish([OutgoingMessage(f"m{n}", "T", body) for n in range(messages)])
     await admin.close()
-    broker = RabbitMQBroker(settings, make_identity(settings))
+    broker = RabbitMQConsumer(settings, make_identity(settings))
     await broker.start(prefetch=32)
     nack_seconds: list[float] = []
     nacked_at: dict[str | None, float] = {}

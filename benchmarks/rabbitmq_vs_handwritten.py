@@ -40,7 +40,7 @@ from worker import logs
 from worker.brokers import OutgoingMessage
 from worker.brokers.rabbitmq import (
     RabbitMQAdmin,
-    RabbitMQBroker,
+    RabbitMQConsumer,
     RabbitMQSettings,
     declare_topology,
     delete_topology,
@@ -98,7 +98,9 @@ async def worker_run(
     registry.handler("CreditRequested", CreditRequested, consumer="credit")(handler)
     pump_settings = Settings(database_url=url, concurrency=concurrency, purge_interval=0)
     engine = create_engine(url, pool_size=pump_settings.pool_size)
-    pump = Pump(RabbitMQBroker(settings, make_identity(settings)), engine, registry, pump_settings)
+    pump = Pump(
+        RabbitMQConsumer(settings, make_identity(settings)), engine, registry, pump_settings
+    )
     started = time.perf_counter()
     task = asyncio.create_task(pump.run())
     try:

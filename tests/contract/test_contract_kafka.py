@@ -11,7 +11,7 @@ from tests.contract.base import BATCH_MODE, BrokerContract, Harness
 from tests.kafka.kafka_helpers import create_topic, lag, settings_for, unique
 from tests.support.tansu import Tansu
 from worker.brokers import Broker, DeadLetterInfo, OutgoingMessage
-from worker.brokers.kafka import KafkaAdmin, KafkaBroker, KafkaSettings
+from worker.brokers.kafka import KafkaAdmin, KafkaConsumer, KafkaSettings
 from worker.settings import Settings
 
 pytestmark = pytest.mark.kafka
@@ -32,7 +32,7 @@ class KafkaHarness(Harness):
         return {"concurrency": 2}
 
     def broker(self, settings: Settings) -> Broker:
-        return KafkaBroker(settings, self.kafka)
+        return KafkaConsumer(settings, self.kafka)
 
     async def publish(self, messages: list[OutgoingMessage]) -> None:
         await self.admin.publish(messages)

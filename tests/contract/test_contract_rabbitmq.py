@@ -14,7 +14,7 @@ import pytest
 from tests.contract.base import BATCH_MODE, BrokerContract, Harness
 from tests.rabbitmq.rabbit_helpers import all_depths
 from worker.brokers import Broker, DeadLetterInfo, OutgoingMessage
-from worker.brokers.rabbitmq import RabbitMQAdmin, RabbitMQBroker, RabbitMQSettings, make_identity
+from worker.brokers.rabbitmq import RabbitMQAdmin, RabbitMQConsumer, RabbitMQSettings, make_identity
 from worker.settings import Settings
 
 pytestmark = pytest.mark.rabbitmq
@@ -29,7 +29,7 @@ class RabbitMQHarness(Harness):
         self.admin = RabbitMQAdmin(settings, make_identity(settings))
 
     def broker(self, settings: Settings) -> Broker:
-        return RabbitMQBroker(self.rabbit, make_identity(self.rabbit, settings.message_id_func))
+        return RabbitMQConsumer(self.rabbit, make_identity(self.rabbit, settings.message_id_func))
 
     async def publish(self, messages: list[OutgoingMessage]) -> None:
         await self.admin.publish(messages)

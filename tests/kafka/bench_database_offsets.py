@@ -25,7 +25,7 @@ from sqlalchemy import text
 
 from tests.kafka.kafka_helpers import create_topic, produce, settings_for, unique
 from tests.support.tansu import running_tansu
-from worker.brokers.kafka import KafkaBroker
+from worker.brokers.kafka import KafkaConsumer
 from worker.db import create_engine
 from worker.migrate import upgrade
 from worker.pump import Pump
@@ -90,7 +90,7 @@ async def drain(bootstrap: str, url: str, mode: dict[str, Any], records: int, pa
     core = {k: v for k, v in mode.items() if k in _CORE}
     settings = Settings(database_url=url, concurrency=CONCURRENCY, batch_wait=0.002, **core)
     engine = create_engine(url, pool_size=CONCURRENCY + 2)
-    pump = Pump(KafkaBroker(settings, kafka), engine, registry(), settings)
+    pump = Pump(KafkaConsumer(settings, kafka), engine, registry(), settings)
     task = asyncio.create_task(pump.run())
     try:
         began = 0.0

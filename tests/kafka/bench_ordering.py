@@ -16,7 +16,7 @@ import time
 
 from tests.kafka.kafka_helpers import create_topic, produce, settings_for, unique
 from tests.support.tansu import running_tansu
-from worker.brokers.kafka import KafkaBroker
+from worker.brokers.kafka import KafkaConsumer
 from worker.settings import Settings
 
 CONCURRENCY = 16
@@ -24,7 +24,7 @@ CONCURRENCY = 16
 
 async def drain(bootstrap: str, topic: str, ordering: str, total: int, handler_s: float) -> float:
     kafka = settings_for(bootstrap, topic, ordering=ordering, commit_interval=0.2)
-    broker = KafkaBroker(Settings(), kafka)
+    broker = KafkaConsumer(Settings(), kafka)
     await broker.start(prefetch=CONCURRENCY)
     done = 0
     finished = asyncio.Event()

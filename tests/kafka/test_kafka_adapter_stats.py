@@ -16,7 +16,7 @@ import pytest
 
 from tests.kafka.kafka_helpers import produce
 from tests.support.waiting import wait_for
-from worker.brokers.kafka import KafkaBroker, KafkaSettings
+from worker.brokers.kafka import KafkaConsumer, KafkaSettings
 from worker.delivery import Delivery
 from worker.settings import Settings
 
@@ -26,8 +26,8 @@ NewTopic = Callable[[int], Awaitable[str]]
 
 
 @contextlib.asynccontextmanager
-async def started(kafka: KafkaSettings) -> AsyncIterator[KafkaBroker]:
-    broker = KafkaBroker(Settings(), kafka)
+async def started(kafka: KafkaSettings) -> AsyncIterator[KafkaConsumer]:
+    broker = KafkaConsumer(Settings(), kafka)
     await broker.start(prefetch=4)
     try:
         yield broker
@@ -36,7 +36,7 @@ async def started(kafka: KafkaSettings) -> AsyncIterator[KafkaBroker]:
         await broker.close()
 
 
-async def receive(broker: KafkaBroker, seconds: float = 10.0) -> Delivery:
+async def receive(broker: KafkaConsumer, seconds: float = 10.0) -> Delivery:
     async with asyncio.timeout(seconds):
         return await broker.receive()
 
@@ -44,8 +44,8 @@ async def receive(broker: KafkaBroker, seconds: float = 10.0) -> Delivery:
 def test_the_destination_is_the_topics_consumed(
     kafka_settings: Callable[..., KafkaSettings],
 ) -> None:
-    assert KafkaBroker(Settings(), kafka_settings("orders")).destination == "orders"
-    several = KafkaBroker(Settings(), kafka_settings(" orders, payments ,"))
+    assert KafkaConsumer(Settings(), kafka_settings("orders")).destination == "orders"
+    several = KafkaConsumer(Settings(), kafka_settings(" orders, payments ,"))
     assert several.destination == "orders,payments"
     assert several.stats == Counter()  # nothing happened yet
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from tests.kafka.kafka_helpers import committed, produce
 from tests.support.database import fetch, marker_count
 from tests.support.waiting import wait_for
-from worker.brokers.kafka import KafkaBroker, KafkaSettings
+from worker.brokers.kafka import KafkaConsumer, KafkaSettings
 from worker.db import create_engine
 from worker.pump import Pump
 from worker.registry import Context, Registry
@@ -56,7 +56,7 @@ async def test_commits_stay_contiguous_when_a_batch_fails_in_the_middle(
             raise RuntimeError("the middle of the batch fails once")
 
     engine = create_engine(url)
-    broker = KafkaBroker(settings, kafka)
+    broker = KafkaConsumer(settings, kafka)
     pump = Pump(broker, engine, registry, settings)
     commits: list[tuple[float, int]] = []
     stored: list[tuple[float, int]] = []

@@ -14,8 +14,8 @@ from tests.support.database import balances, fetch
 from tests.support.pumps import MakeSettings, engine_for, running_pump
 from tests.support.waiting import wait_for
 from worker.brokers import Broker, OutgoingMessage
-from worker.brokers.kafka import KafkaBroker, KafkaSettings
-from worker.brokers.rabbitmq import RabbitMQAdmin, RabbitMQBroker, RabbitMQSettings, make_identity
+from worker.brokers.kafka import KafkaConsumer, KafkaSettings
+from worker.brokers.rabbitmq import RabbitMQAdmin, RabbitMQConsumer, RabbitMQSettings, make_identity
 from worker.pump import Pump
 from worker.settings import Settings
 
@@ -59,7 +59,7 @@ async def test_a_cloudevent_bridged_through_both_brokers_is_applied_once(
         return pump.stats["committed"] == 1
 
     first = await pump_until(
-        RabbitMQBroker(rabbit, make_identity(rabbit)), url, settings, committed_one
+        RabbitMQConsumer(rabbit, make_identity(rabbit)), url, settings, committed_one
     )
     assert first.get("committed") == 1, first
 
@@ -72,7 +72,7 @@ async def test_a_cloudevent_bridged_through_both_brokers_is_applied_once(
     async def settled(pump: Pump) -> bool:
         return await committed_is(bootstrap, kafka.group_id, topic, 1)
 
-    second = await pump_until(KafkaBroker(settings, kafka), url, settings, settled)
+    second = await pump_until(KafkaConsumer(settings, kafka), url, settings, settled)
     assert second.get("duplicate") == 1 and "committed" not in second, second
 
     rows = await fetch(url, "SELECT message_id, consumer FROM inbox")

@@ -19,7 +19,7 @@ from tests.kafka.kafka_helpers import committed, produce
 from tests.support.database import execute, fetch, marker_count, scalar
 from tests.support.waiting import wait_for
 from worker import inbox
-from worker.brokers.kafka import KafkaBroker, KafkaSettings, load_kafka_settings
+from worker.brokers.kafka import KafkaConsumer, KafkaSettings, load_kafka_settings
 from worker.db import create_engine, session_factory
 from worker.delivery import Delivery
 from worker.errors import ConfigurationError, SettlementLost
@@ -48,8 +48,8 @@ def test_offsets_setting_is_checked_with_one_line_naming_the_variable(
 
 
 @contextlib.asynccontextmanager
-async def member(kafka: KafkaSettings, url: str, **core: Any) -> AsyncIterator[KafkaBroker]:
-    broker = KafkaBroker(Settings(database_url=url, **core), kafka)
+async def member(kafka: KafkaSettings, url: str, **core: Any) -> AsyncIterator[KafkaConsumer]:
+    broker = KafkaConsumer(Settings(database_url=url, **core), kafka)
     await broker.start(prefetch=4)
     try:
         yield broker
@@ -58,7 +58,7 @@ async def member(kafka: KafkaSettings, url: str, **core: Any) -> AsyncIterator[K
         await broker.close()
 
 
-async def receive(broker: KafkaBroker, seconds: float = 15.0) -> Delivery:
+async def receive(broker: KafkaConsumer, seconds: float = 15.0) -> Delivery:
     async with asyncio.timeout(seconds):
         return await broker.receive()
 
@@ -157,8 +157,8 @@ async def test_a_member_whose_partition_was_reassigned_cannot_commit(
     settings = Settings(database_url=url, concurrency=4, retry_backoff=0.001, grace_period=5.0)
     gate, started_a, started_b = asyncio.Event(), list[int](), list[int]()
     engine = create_engine(url, pool_size=10)
-    a = Pump(KafkaBroker(settings, kafka), engine, note_registry("a", gate, started_a), settings)
-    b = Pump(KafkaBroker(settings, kafka), engine, note_registry("b", None, started_b), settings)
+    a = Pump(KafkaConsumer(settings, kafka), engine, note_registry("a", gate, started_a), settings)
+    b = Pump(KafkaConsumer(settings, kafka), engine, note_registry("b", None, started_b), settings)
     tasks = [asyncio.create_task(a.run())]
     try:
         await wait_for(lambda: sorted(started_a) == [0, 1], 30, "a's two records in its handler")
@@ -197,7 +197,7 @@ async def test_a_batch_stores_the_contiguous_prefix_once_past_a_failure_in_the_m
     await produce(kafka.bootstrap_servers, topic, records(6))
     # WORKER_BATCH_SIZE=4 (worker/batch.py's setting; the adapter only reads the number)
     settings: Any = SimpleNamespace(**{**Settings(database_url=url).model_dump(), "batch_size": 4})
-    broker = KafkaBroker(settings, kafka)
+    broker = KafkaConsumer(settings, kafka)
     await broker.start(prefetch=4)
     engine = create_engine(url)
     statements: list[str] = []

@@ -16,7 +16,7 @@ from tests.support.database import balances, fetch
 from tests.support.processes import arun_cli
 from tests.support.pumps import MakeSettings, engine_for, running_pump
 from tests.support.waiting import wait_for
-from worker.brokers.kafka import KafkaAdmin, KafkaBroker, KafkaSettings
+from worker.brokers.kafka import KafkaAdmin, KafkaConsumer, KafkaSettings
 from worker.pump import Pump
 from worker.registry import Context, Registry
 from worker.settings import Settings
@@ -69,7 +69,7 @@ async def test_poison_and_exhausted_records_reach_the_dead_letter_topic(
     settings = make_settings(database_url=url, max_deliveries=2)
     async with (
         engine_for(url) as engine,
-        running_pump(KafkaBroker(settings, kafka), engine, registry(), settings) as pump,
+        running_pump(KafkaConsumer(settings, kafka), engine, registry(), settings) as pump,
     ):
         # the partition moves past every dead letter: all seven are committed
         await wait_for(
@@ -125,7 +125,7 @@ async def run_until_committed(
     topic = kafka.topic_list[0]
     async with (
         engine_for(url) as engine,
-        running_pump(KafkaBroker(settings, kafka), engine, registry(), settings) as pump,
+        running_pump(KafkaConsumer(settings, kafka), engine, registry(), settings) as pump,
     ):
         await wait_for(
             lambda: committed_is(bootstrap, kafka.group_id, topic, offset),

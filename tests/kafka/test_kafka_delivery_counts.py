@@ -15,7 +15,7 @@ from tests.kafka.kafka_helpers import produce
 from tests.support.database import fetch
 from tests.support.pumps import engine_for, running_pump
 from tests.support.waiting import wait_for
-from worker.brokers.kafka import KafkaBroker, KafkaSettings
+from worker.brokers.kafka import KafkaConsumer, KafkaSettings
 from worker.db import create_engine
 from worker.delivery import Delivery
 from worker.errors import ConfigurationError
@@ -87,7 +87,7 @@ async def test_redeliveries_are_counted_and_first_deliveries_only_when_asked(
 
     async with (
         engine_for(url) as engine,
-        running_pump(KafkaBroker(settings, kafka), engine, registry, settings),
+        running_pump(KafkaConsumer(settings, kafka), engine, registry, settings),
     ):
         await wait_for(lambda: len(seen) == 4, 30, "four handler runs")
     assert seen == [("ok", 1), ("flaky", 1), ("flaky", 2), ("ok-2", 1)]
@@ -98,8 +98,8 @@ async def test_redeliveries_are_counted_and_first_deliveries_only_when_asked(
 
 
 @contextlib.asynccontextmanager
-async def member(kafka: KafkaSettings, url: str) -> AsyncIterator[KafkaBroker]:
-    broker = KafkaBroker(Settings(database_url=url, delivery_counts="database"), kafka)
+async def member(kafka: KafkaSettings, url: str) -> AsyncIterator[KafkaConsumer]:
+    broker = KafkaConsumer(Settings(database_url=url, delivery_counts="database"), kafka)
     await broker.start(prefetch=1)
     try:
         yield broker
@@ -108,7 +108,7 @@ async def member(kafka: KafkaSettings, url: str) -> AsyncIterator[KafkaBroker]:
         await broker.close()
 
 
-async def receive(broker: KafkaBroker) -> Delivery:
+async def receive(broker: KafkaConsumer) -> Delivery:
     async with asyncio.timeout(15):
         return await broker.receive()
 
@@ -130,7 +130,7 @@ async def test_records_a_crashed_owner_may_have_started_come_as_redeliveries(
     url, topic = postgres_only_url, await new_topic(1)
     kafka = kafka_settings(topic, offsets=offsets, commit_interval=3600)
     await produce(kafka.bootstrap_servers, topic, [step("m0"), step("m1")])
-    a = KafkaBroker(Settings(database_url=url, delivery_counts="database"), kafka)
+    a = KafkaConsumer(Settings(database_url=url, delivery_counts="database"), kafka)
     await a.start(prefetch=1)
     try:
         first = await receive(a)

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from tests.kafka.kafka_helpers import committed, produce
 from tests.support.pumps import MakeSettings
 from tests.support.waiting import wait_for
-from worker.brokers.kafka import KafkaBroker, KafkaSettings
+from worker.brokers.kafka import KafkaConsumer, KafkaSettings
 from worker.db import create_engine
 from worker.delivery import Delivery
 from worker.errors import SettlementLost
@@ -40,11 +40,11 @@ async def test_a_hung_record_moves_its_partition_to_another_member(
 ) -> None:
     topic = await new_topic(2)
     kafka = kafka_settings(topic, watchdog_margin=0.5, rebalance_grace=1.0)
-    members = {"a": KafkaBroker(ShortTimeout(), kafka), "b": KafkaBroker(ShortTimeout(), kafka)}
+    members = {"a": KafkaConsumer(ShortTimeout(), kafka), "b": KafkaConsumer(ShortTimeout(), kafka)}
     seen: list[tuple[str, str | None, int]] = []
     held: list[tuple[str, Delivery]] = []
 
-    async def consume(name: str, broker: KafkaBroker) -> None:
+    async def consume(name: str, broker: KafkaConsumer) -> None:
         while True:
             delivery = await broker.receive()
             seen.append((name, delivery.message_id, delivery.delivery_count))
@@ -131,7 +131,7 @@ async def test_a_handler_that_outlives_its_time_limit_loses_its_partition_to_ano
     settings = make_settings(database_url=url, handler_timeout=0.5, retry_budget=0.1)
     kafka = kafka_settings(topic, watchdog_margin=0.5, rebalance_grace=1.0)
     engines = [create_engine(url), create_engine(url)]
-    brokers = {name: KafkaBroker(settings, kafka) for name in ("a", "b")}
+    brokers = {name: KafkaConsumer(settings, kafka) for name in ("a", "b")}
     pumps = {
         name: Pump(broker, engine, registry(name), settings)
         for (name, broker), engine in zip(brokers.items(), engines, strict=True)

@@ -40,7 +40,7 @@ from tests.support.services import unavailable
 from tests.support.tansu import Tansu
 from tests.support.waiting import wait_for
 from worker import outbox
-from worker.brokers.kafka import KafkaBroker, KafkaPublisher
+from worker.brokers.kafka import KafkaConsumer, KafkaPublisher
 from worker.brokers.publishers import Outgoing
 from worker.errors import ConfigurationError
 
@@ -87,7 +87,7 @@ async def test_the_dead_letter_producer_is_idempotent_and_delivers_the_reason(
     before = init_producer_ids(mock)
     async with (
         engine_for(url) as engine,
-        running_pump(KafkaBroker(settings, kafka), engine, credit_registry(), settings) as pump,
+        running_pump(KafkaConsumer(settings, kafka), engine, credit_registry(), settings) as pump,
     ):
         await wait_for(
             lambda: committed_is(mock.bootstrap, kafka.group_id, topic, 3), 20, "offset 3", 0.1

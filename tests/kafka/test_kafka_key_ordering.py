@@ -17,7 +17,7 @@ import pytest
 
 from tests.kafka.kafka_helpers import committed, produce
 from tests.support.waiting import wait_for
-from worker.brokers.kafka import KafkaBroker, KafkaSettings
+from worker.brokers.kafka import KafkaConsumer, KafkaSettings
 from worker.delivery import Delivery
 from worker.settings import Settings
 
@@ -30,8 +30,8 @@ Commits = list[dict[int, int]]
 @contextlib.asynccontextmanager
 async def started(
     kafka: KafkaSettings, commits: Commits | None = None
-) -> AsyncIterator[KafkaBroker]:
-    broker = KafkaBroker(Settings(), kafka)
+) -> AsyncIterator[KafkaConsumer]:
+    broker = KafkaConsumer(Settings(), kafka)
     await broker.start(prefetch=16)
     if commits is not None:  # record every offset commit the adapter sends
         real = broker._consumer.commit
@@ -54,7 +54,7 @@ def keyed(keys: str, partition: int = 0) -> list[tuple[bytes, bytes, dict[str, s
 
 
 async def run(
-    broker: KafkaBroker, workers: int, handle: Callable[[Delivery], Awaitable[None]], total: int
+    broker: KafkaConsumer, workers: int, handle: Callable[[Delivery], Awaitable[None]], total: int
 ) -> list[Delivery]:
     """``workers`` concurrent loops (the pump's shape) until ``total`` settlements."""
     settled: list[Delivery] = []

@@ -13,7 +13,7 @@ import pytest
 from tests.kafka.kafka_helpers import KafkaWorker, committed, credit, produce, worker_env
 from tests.support.database import marker_count
 from tests.support.waiting import wait_for
-from worker.brokers.kafka import KafkaBroker, KafkaSettings
+from worker.brokers.kafka import KafkaConsumer, KafkaSettings
 from worker.settings import Settings
 
 pytestmark = pytest.mark.kafka
@@ -52,7 +52,7 @@ async def test_a_stalled_member_does_not_move_the_committed_offset_back(
 
     a.signal(signal.SIGSTOP)
     try:
-        b = KafkaBroker(Settings(), kafka_settings(topic, commit_interval=0.1))
+        b = KafkaConsumer(Settings(), kafka_settings(topic, commit_interval=0.1))
         await b.start(prefetch=1)
         try:
             await produce(bootstrap, topic, credits(5, 10))

@@ -25,7 +25,7 @@ from tests.kafka.kafka_helpers import (
 )
 from tests.support.processes import arun_cli
 from tests.support.waiting import wait_for
-from worker.brokers.kafka import KafkaBroker, KafkaSettings
+from worker.brokers.kafka import KafkaConsumer, KafkaSettings
 from worker.delivery import Delivery
 from worker.errors import BrokerUnavailable, ConfigurationError, SettlementLost
 from worker.settings import Settings
@@ -36,8 +36,8 @@ NewTopic = Callable[[int], Awaitable[str]]
 
 
 @contextlib.asynccontextmanager
-async def started(kafka: KafkaSettings) -> AsyncIterator[KafkaBroker]:
-    broker = KafkaBroker(Settings(), kafka)
+async def started(kafka: KafkaSettings) -> AsyncIterator[KafkaConsumer]:
+    broker = KafkaConsumer(Settings(), kafka)
     await broker.start(prefetch=4)
     try:
         yield broker
@@ -46,19 +46,19 @@ async def started(kafka: KafkaSettings) -> AsyncIterator[KafkaBroker]:
         await broker.close()
 
 
-async def receive(broker: KafkaBroker, seconds: float = 10.0) -> Delivery:
+async def receive(broker: KafkaConsumer, seconds: float = 10.0) -> Delivery:
     async with asyncio.timeout(seconds):
         return await broker.receive()
 
 
-async def nothing_within(broker: KafkaBroker, seconds: float) -> None:
+async def nothing_within(broker: KafkaConsumer, seconds: float) -> None:
     with pytest.raises(TimeoutError):
         async with asyncio.timeout(seconds):
             delivery = await broker.receive()
             pytest.fail(f"unexpected delivery {delivery!r}")
 
 
-def spy_commits(broker: KafkaBroker, log: list[tuple[float, dict[int, int]]]) -> None:
+def spy_commits(broker: KafkaConsumer, log: list[tuple[float, dict[int, int]]]) -> None:
     """Record every offset commit the adapter sends (partition -> offset)."""
     consumer = broker._consumer
     real = consumer.commit
@@ -154,7 +154,7 @@ async def test_revoke_commits_what_settled_in_time_and_loses_the_rest(
         one, two = await receive(first), await receive(first)
         slow, late = sorted([one, two], key=lambda d: d.message_id or "")  # p0-0, p1-0
 
-        second = KafkaBroker(Settings(), kafka)
+        second = KafkaConsumer(Settings(), kafka)
         joining = asyncio.create_task(second.start(prefetch=4))  # returns once it has joined
         try:
             # the join revokes both partitions from `first`, which stops handing out
@@ -171,7 +171,7 @@ async def test_revoke_commits_what_settled_in_time_and_loses_the_rest(
             # p1-0 comes again, to whichever member owns p1 now; p0 goes on at p0-1
             seen: dict[str, int] = {}
 
-            async def drain(broker: KafkaBroker) -> None:
+            async def drain(broker: KafkaConsumer) -> None:
                 while True:
                     delivery = await broker.receive()
                     seen[delivery.message_id or ""] = seen.get(delivery.message_id or "", 0) + 1
@@ -228,7 +228,7 @@ async def test_an_unreachable_broker_is_broker_unavailable(
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
     kafka = kafka_settings("t", bootstrap_servers=f"127.0.0.1:{port}")
-    broker = KafkaBroker(Settings(), kafka)
+    broker = KafkaConsumer(Settings(), kafka)
     with pytest.raises(BrokerUnavailable, match=f"127.0.0.1:{port}"):
         await broker.start(prefetch=1)
     assert not broker.ready
@@ -291,7 +291,7 @@ async def test_a_broker_refusing_the_idempotent_producer_names_the_setting(
 ) -> None:
     """Issue 14 item 5. Test-broker quirk put to use: Tansu refuses InitProducerId."""
     kafka = kafka_settings("t", idempotent_producer=True)
-    broker = KafkaBroker(Settings(), kafka)
+    broker = KafkaConsumer(Settings(), kafka)
     with pytest.raises(ConfigurationError, match="WORKER_KAFKA_IDEMPOTENT_PRODUCER=false"):
         await broker.start(prefetch=1)
     assert not broker.ready

@@ -13,7 +13,7 @@ import pytest
 from worker.brokers import open_admin, open_broker
 from worker.brokers.kafka import (
     KafkaAdmin,
-    KafkaBroker,
+    KafkaConsumer,
     KafkaSettings,
     header_message_id,
     load_kafka_settings,
@@ -111,7 +111,7 @@ def test_settings_from_the_environment(env: pytest.MonkeyPatch) -> None:
     assert options["sasl_plain_password"] == "s3cret"
     assert "s3cret" not in repr(kafka)
     settings = Settings(broker="kafka")
-    assert isinstance(open_broker(settings), KafkaBroker)  # builds without connecting
+    assert isinstance(open_broker(settings), KafkaConsumer)  # builds without connecting
     assert isinstance(open_admin(settings), KafkaAdmin)
 
 

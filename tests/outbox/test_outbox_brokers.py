@@ -219,7 +219,7 @@ async def test_kafka_copies_of_a_republished_row_are_applied_once_downstream(
     from handlers.credit import Account
     from tests.rabbitmq.rabbit_helpers import credit_registry
     from tests.support.waiting import wait_for
-    from worker.brokers.kafka import KafkaBroker
+    from worker.brokers.kafka import KafkaConsumer
 
     topic = unique("credits")
     await create_topic(tansu.bootstrap, topic, 2)
@@ -238,7 +238,7 @@ async def test_kafka_copies_of_a_republished_row_are_applied_once_downstream(
         await publisher.close()
     registry, _ = credit_registry()
     settings = make_settings(concurrency=2)
-    async with run_pumps([KafkaBroker(settings, kafka)], [engine], registry, settings) as pumps:
+    async with run_pumps([KafkaConsumer(settings, kafka)], [engine], registry, settings) as pumps:
         await wait_for(
             lambda: pumps[0].stats["committed"] + pumps[0].stats["duplicate"] >= 20,
             60,

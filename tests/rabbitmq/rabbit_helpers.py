@@ -23,7 +23,7 @@ from worker.brokers import OutgoingMessage
 from worker.brokers.rabbitmq import (
     REASON_HEADER,
     RabbitMQAdmin,
-    RabbitMQBroker,
+    RabbitMQConsumer,
     RabbitMQSettings,
     make_identity,
 )
@@ -146,8 +146,8 @@ def credit_registry(before: Callable[[Context], Any] | None = None) -> tuple[Reg
     return registry, seen
 
 
-def make_broker(settings: RabbitMQSettings) -> RabbitMQBroker:
-    return RabbitMQBroker(settings, make_identity(settings))
+def make_broker(settings: RabbitMQSettings) -> RabbitMQConsumer:
+    return RabbitMQConsumer(settings, make_identity(settings))
 
 
 @contextlib.asynccontextmanager

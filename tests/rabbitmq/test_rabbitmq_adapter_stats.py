@@ -17,14 +17,14 @@ from tests.rabbitmq.rabbit_helpers import depths, make_broker, publish, take_dea
 from tests.support.credits import credit
 from tests.support.rabbitmq import MakeRabbitSettings
 from tests.support.waiting import wait_for
-from worker.brokers.rabbitmq import RabbitMQBroker, RabbitMQSettings, make_identity
+from worker.brokers.rabbitmq import RabbitMQConsumer, RabbitMQSettings, make_identity
 from worker.delivery import Delivery, ack_many
 from worker.errors import SettlementLost
 
 pytestmark = [pytest.mark.rabbitmq]
 
 
-async def take(broker: RabbitMQBroker, count: int) -> dict[str | None, Delivery]:
+async def take(broker: RabbitMQConsumer, count: int) -> dict[str | None, Delivery]:
     taken = [await asyncio.wait_for(broker.receive(), 10) for _ in range(count)]
     return {delivery.message_id: delivery for delivery in taken}
 
@@ -149,7 +149,7 @@ async def test_a_failing_identity_function_and_drained_legacy_queues_are_counted
     def broken(message: Any) -> str | None:
         raise ValueError("a deployment's bug")
 
-    broker = RabbitMQBroker(rabbit, make_identity(rabbit, None))
+    broker = RabbitMQConsumer(rabbit, make_identity(rabbit, None))
     broker.identity = broken
     await broker.start(prefetch=1)
     try:

@@ -24,7 +24,7 @@ from tests.support.credits import credit
 from tests.support.database import balances
 from tests.support.rabbitmq import MakeRabbitSettings
 from tests.support.waiting import wait_for
-from worker.brokers.rabbitmq import RabbitMQBroker
+from worker.brokers.rabbitmq import RabbitMQConsumer
 from worker.delivery import Delivery, ack_many
 from worker.registry import Context
 
@@ -98,7 +98,7 @@ async def test_a_batch_pump_acks_in_ranges_and_redelivers_the_failure(
     async with running(rabbit, pg, registry, batch_size=8, batch_wait=0.05, concurrency=1) as pump:
         await wait_for(lambda: pump.stats["ack"] >= 40, 20, "40 acks")
         broker = pump.broker
-        assert isinstance(broker, RabbitMQBroker)
+        assert isinstance(broker, RabbitMQConsumer)
         assert broker.multiple_acks >= 4  # one batch at a time: its tags are the lowest
         assert pump.stats["nack"] == 1
     assert sorted(count for count, _ in seen).count(2) == 1  # only b-13 came back

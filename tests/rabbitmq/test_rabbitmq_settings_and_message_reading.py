@@ -13,7 +13,7 @@ import aio_pika
 import pytest
 
 from worker.brokers.rabbitmq import (
-    RabbitMQBroker,
+    RabbitMQConsumer,
     RabbitMQSettings,
     _copy,
     content_hash_id,
@@ -241,7 +241,7 @@ async def test_the_context_reaches_aio_pika_and_the_password_stays_out(
     settings = RabbitMQSettings(
         url="amqps://ops:hunter2@rabbit:5671/prod", tls_ca_file=str(certificate[0])
     )
-    broker = RabbitMQBroker(settings, make_identity(settings))
+    broker = RabbitMQConsumer(settings, make_identity(settings))
     with pytest.raises(BrokerUnavailable) as caught:
         await broker.start(prefetch=4)
     assert isinstance(seen["ssl_context"], ssl.SSLContext)

@@ -37,7 +37,7 @@ from tests.support.waiting import wait_for
 from worker.brokers.rabbitmq import (
     DELIVERIES_HEADER,
     REASON_HEADER,
-    RabbitMQBroker,
+    RabbitMQConsumer,
     RabbitMQSettings,
 )
 from worker.errors import ConfigurationError, Retry, SettlementLost
@@ -156,7 +156,7 @@ async def test_a_message_without_an_id_is_dead_lettered(
     settings = Settings(database_url=pg, concurrency=2)
     async with (
         engine_for(pg, pool_size=4) as engine,
-        running_pump(RabbitMQBroker(rabbit, identity), engine, registry, settings) as pump,
+        running_pump(RabbitMQConsumer(rabbit, identity), engine, registry, settings) as pump,
     ):
         await publish(rabbit, [credit(None, "a", "1")])
         await wait_for(lambda: pump.stats["dead-letter"] == 1, 10, "the dead letter")

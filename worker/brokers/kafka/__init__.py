@@ -6,7 +6,7 @@ The adapter, one module per role:
   starting a producer (with the error that names the setting a broker refuses);
 - :mod:`~worker.brokers.kafka.records`: reading a record (header text, the dedup key,
   CloudEvents) and the names of the dead-letter headers;
-- :mod:`~worker.brokers.kafka.consumer`: :class:`KafkaBroker`, the group member the pump
+- :mod:`~worker.brokers.kafka.consumer`: :class:`KafkaConsumer`, the group member the pump
   consumes from, and how the settlement verbs map onto offsets;
 - :mod:`~worker.brokers.kafka.partitions`: its bookkeeping per owned partition and per
   record handed out;
@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from worker.brokers.kafka.admin import KafkaAdmin
-from worker.brokers.kafka.consumer import KafkaBroker
+from worker.brokers.kafka.consumer import KafkaConsumer
 from worker.brokers.kafka.publisher import KafkaPublisher
 from worker.brokers.kafka.records import (
     DLT_DELIVERY_COUNT,
@@ -55,7 +55,7 @@ __all__ = [
     "DLT_REASON",
     "DLT_TOPIC",
     "KafkaAdmin",
-    "KafkaBroker",
+    "KafkaConsumer",
     "KafkaPublisher",
     "KafkaSettings",
     "cloud_event_key",
@@ -68,8 +68,8 @@ __all__ = [
 ]
 
 
-def open_broker(settings: Settings) -> KafkaBroker:
-    return KafkaBroker(settings, load_kafka_settings())
+def open_broker(settings: Settings) -> KafkaConsumer:
+    return KafkaConsumer(settings, load_kafka_settings())
 
 
 def open_admin(settings: Settings) -> KafkaAdmin:

@@ -1,4 +1,4 @@
-"""The consumer: :class:`KafkaBroker`, a group member that commits offsets instead of acking.
+"""The consumer: :class:`KafkaConsumer`, a group member that commits offsets instead of acking.
 
 It is what the pump receives deliveries from and settles them through, and holds
 everything that happens while records flow: fetching, handing out, commits,
@@ -141,7 +141,7 @@ class _Store:
 
     __slots__ = ("broker", "handle")
 
-    def __init__(self, broker: KafkaBroker, handle: Handle) -> None:
+    def __init__(self, broker: KafkaConsumer, handle: Handle) -> None:
         self.broker = broker
         self.handle = handle
 
@@ -150,7 +150,7 @@ class _Store:
 
 
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
-    def __init__(self, broker: KafkaBroker) -> None:
+    def __init__(self, broker: KafkaConsumer) -> None:
         self._broker = broker
 
     async def on_partitions_revoked(self, revoked: Iterable[Any]) -> None:
@@ -160,7 +160,7 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
         self._broker._assign(assigned)
 
 
-class KafkaBroker:
+class KafkaConsumer:
     """One consumer-group member: the pump's :class:`~worker.brokers.Broker` and Settler."""
 
     name = "kafka"

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from worker.brokers.rabbitmq.admin import RabbitMQAdmin
-from worker.brokers.rabbitmq.consumer import RabbitMQBroker
+from worker.brokers.rabbitmq.consumer import RabbitMQConsumer
 from worker.brokers.rabbitmq.messages import (
     DELIVERIES_HEADER,
     REASON_HEADER,
@@ -46,7 +46,7 @@ __all__ = [
     "DELIVERIES_HEADER",
     "REASON_HEADER",
     "RabbitMQAdmin",
-    "RabbitMQBroker",
+    "RabbitMQConsumer",
     "RabbitMQPublisher",
     "RabbitMQSettings",
     "_copy",
@@ -65,10 +65,10 @@ __all__ = [
 ]
 
 
-def open_broker(settings: Settings) -> RabbitMQBroker:
+def open_broker(settings: Settings) -> RabbitMQConsumer:
     rabbit = load(RabbitMQSettings)
     ssl_context(rabbit)  # a bad TLS setting fails at start, as one line
-    return RabbitMQBroker(rabbit, make_identity(rabbit, settings.message_id_func))
+    return RabbitMQConsumer(rabbit, make_identity(rabbit, settings.message_id_func))
 
 
 def open_admin(settings: Settings) -> RabbitMQAdmin:

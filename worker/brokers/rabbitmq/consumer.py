@@ -76,7 +76,7 @@ class _Handle:
         self.tag = message.delivery_tag or 0
 
 
-class RabbitMQBroker:
+class RabbitMQConsumer:
     """The pump's :class:`~worker.brokers.Broker` and the deliveries' Settler.
 
     ``stats`` counts what an operator wants to see move (lower_snake_case keys):
