@@ -24,7 +24,7 @@ from tests.rabbitmq.rabbit_helpers import (
 )
 from tests.support.credits import credit
 from tests.support.database import balances, marker_count, scalar
-from tests.support.processes import Fleet
+from tests.support.processes import Fleet, KillSchedule
 from tests.support.rabbitmq import MakeRabbitSettings
 from tests.support.waiting import wait_for
 from worker.brokers import OutgoingMessage
@@ -85,9 +85,7 @@ async def test_batch_mode_under_kills_and_duplicates_comes_out_exact(
             fleet.start(slot)
         await wait_for(fleet.all_started, 60, "3 workers")
         publishing = asyncio.create_task(publish(rabbit, messages))
-        next_kill = time.monotonic() + rng.uniform(1, 3)
-        kill_points = sorted(rng.uniform(0.05, 0.9) for _ in range(3))
-        killed_at = -16  # progress at the last kill
+        schedule = KillSchedule(rng, UNIQUE, step=16)  # by the clock: a batch of progress
         while True:
             count = await done()
             if (
@@ -96,22 +94,7 @@ async def test_batch_mode_under_kills_and_duplicates_comes_out_exact(
                 and await asyncio.to_thread(unsettled, rabbitmq_vhost, rabbit) == 0
             ):
                 break
-            for slot, worker in list(fleet.live.items()):
-                if worker.process.poll() is not None:
-                    fleet.live.pop(slot)
-                    fleet.start(slot)
-            passed = [point for point in kill_points if count >= point * UNIQUE]
-            # by the clock only after a batch's worth of progress since the last kill: on a
-            # loaded machine, kills every 1-3 s could otherwise outpace the restarts
-            clock = time.monotonic() >= next_kill and count >= killed_at + 16
-            if (clock or passed) and count < UNIQUE:
-                up = [slot for slot, w in fleet.live.items() if w.logged("pump started")]
-                if up:
-                    if passed:
-                        kill_points.remove(passed[0])
-                    await fleet.act("kill", rng.choice(up), count / UNIQUE)
-                    killed_at = count
-                    next_kill = time.monotonic() + rng.uniform(1, 3)
+            await schedule.tick(fleet, count)
             if time.monotonic() - started > 240:
                 pytest.fail(f"seed {seed}: not drained in time ({count}/{UNIQUE}), {fleet.events}")
             await asyncio.sleep(0.1)

@@ -29,7 +29,7 @@ from tests.rabbitmq.rabbit_helpers import (
 )
 from tests.support.credits import credit
 from tests.support.database import balances, marker_count, scalar
-from tests.support.processes import Fleet, events
+from tests.support.processes import Fleet, KillSchedule, events
 from tests.support.rabbitmq import MakeRabbitSettings, arabbitmqctl
 from tests.support.waiting import wait_for
 from worker.brokers import OutgoingMessage
@@ -108,11 +108,7 @@ async def test_kills_restarts_hot_rows_and_duplicates_come_out_exact(
             fleet.start(slot)
         await wait_for(fleet.all_started, 60, "4 workers")
         publishing = asyncio.create_task(publish(rabbit, stream))
-        next_kill = time.monotonic() + rng.uniform(1, 3)
-        # kills by the clock alone depend on the throughput: a run that drains 2,000 credits
-        # in seconds once got 2 (the floor below is 3); these points do not
-        kill_points = sorted(rng.uniform(0.05, 0.9) for _ in range(3))
-        killed_at = -1  # progress at the last kill
+        schedule = KillSchedule(rng, unique)
         while True:
             done = await progress(pg)
             if done is not None:
@@ -135,23 +131,10 @@ async def test_kills_restarts_hot_rows_and_duplicates_come_out_exact(
                     del plan["postgresql"]
                     fleet.events.append(f"postgresql restart at {share:.0%}")
                     await asyncio.to_thread(restart_postgres)
-            for slot, worker in list(fleet.live.items()):
-                if worker.process.poll() is not None:  # exited (e.g. broker down at start):
-                    fleet.live.pop(slot)  # the orchestrator restarts the pod
-                    fleet.start(slot)
-            passed = [point for point in kill_points if done is not None and done >= point * unique]
-            # by the clock only after some progress since the last kill: on a loaded machine,
-            # kills every 1-3 s could otherwise outpace the restarted workers' start-up
-            clock = time.monotonic() >= next_kill and done is not None and done > killed_at
-            if (clock or passed) and done is not None and done < unique:
-                # a worker that is up: killing a pod that never got going proves nothing
-                up = [slot for slot, w in fleet.live.items() if w.logged("pump started")]
-                if up:
-                    if passed:
-                        kill_points.remove(passed[0])  # one kill for each point
-                    await fleet.act("kill", rng.choice(up), done / unique)
-                    killed_at = done
-                    next_kill = time.monotonic() + rng.uniform(1, 3)
+            if done is None:
+                fleet.restart_exited()
+            else:
+                await schedule.tick(fleet, done)
             if time.monotonic() - started > 400:
                 pytest.fail(f"seed {seed}: not drained in time ({done}/{unique}), {fleet.events}")
             await asyncio.sleep(0.1)

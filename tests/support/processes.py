@@ -9,10 +9,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -161,6 +163,13 @@ class Fleet:
             worker.signal(signal.SIGTERM)
             self.exit_codes[f"{slot} (SIGTERM)"] = await asyncio.to_thread(worker.wait, 30)
 
+    def restart_exited(self) -> None:
+        """Start again every worker that exited on its own (the orchestrator restarts the pod)."""
+        for slot, worker in list(self.live.items()):
+            if worker.process.poll() is not None:
+                self.live.pop(slot)
+                self.start(slot)
+
     async def stop(self) -> None:
         for worker in self.live.values():
             worker.signal(signal.SIGTERM)
@@ -170,3 +179,38 @@ class Fleet:
     def kill_all(self) -> None:
         for worker in self.workers:
             worker.kill()
+
+
+class KillSchedule:
+    """When a chaos test SIGKILLs one of its workers: at three random shares of the work,
+    and by the clock every 1-3 s.
+
+    By the clock only after ``step`` more units of progress since the last kill: on a
+    loaded machine, kills every 1-3 s could otherwise outpace the restarted workers'
+    start-up, and the run would never drain. Only a worker that is up is killed: killing
+    a pod that never got going proves nothing.
+    """
+
+    def __init__(self, rng: random.Random, total: int, step: int = 1) -> None:
+        self.rng, self.total, self.step = rng, total, step
+        self.next_kill = time.monotonic() + rng.uniform(1, 3)
+        # kills by the clock alone depend on the throughput: a run that drains its work in
+        # seconds once got 2 kills; these points do not
+        self.points = sorted(rng.uniform(0.05, 0.9) for _ in range(3))
+        self.killed_at = -step  # progress at the last kill
+
+    async def tick(self, fleet: Fleet, done: int) -> None:
+        """Restart the workers that exited, then kill one if it is time (``done`` of ``total``)."""
+        fleet.restart_exited()
+        passed = [point for point in self.points if done >= point * self.total]
+        clock = time.monotonic() >= self.next_kill and done >= self.killed_at + self.step
+        if not (clock or passed) or done >= self.total:
+            return
+        up = [slot for slot, worker in fleet.live.items() if worker.logged("pump started")]
+        if not up:
+            return
+        if passed:
+            self.points.remove(passed[0])  # one kill for each point
+        await fleet.act("kill", self.rng.choice(up), done / self.total)
+        self.killed_at = done
+        self.next_kill = time.monotonic() + self.rng.uniform(1, 3)
