@@ -98,6 +98,12 @@ async def test_every_order_on_a_yields_exactly_one_credit_on_b_through_sigkills(
         publishing.result()
         seconds = time.monotonic() - began
         await asyncio.sleep(1.0)  # any late duplicate would land now
+        # A relay killed between its publish and its "sent" leaves its claimed rows for
+        # another relay once the lease (3 s) runs out: every row ends sent, some later.
+        unsent = "SELECT count(*) FROM outbox WHERE state <> 'sent'"
+        await wait_for(
+            lambda: _none_left(pg, unsent), 30, "every outbox row sent (leases of killed relays)"
+        )
         await wait_for(started, 60, "the restarted workers (SIGTERM needs their handlers)")
         for worker in live.values():
             worker.signal(signal.SIGTERM)
@@ -180,3 +186,8 @@ def _value(text: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[-1])
     return -1.0
+
+
+async def _none_left(database_url: str, sql: str) -> bool:
+    left: int = await scalar(database_url, sql)
+    return left == 0
