@@ -108,7 +108,10 @@ async def test_kills_restarts_hot_rows_and_duplicates_come_out_exact(
             fleet.start(slot)
         await wait_for(fleet.all_started, 60, "4 workers")
         publishing = asyncio.create_task(publish(rabbit, stream))
-        schedule = KillSchedule(rng, unique)
+        # The kill points come before the PostgreSQL restart at 60 %: after it the deliveries
+        # the workers held flood in faster than this loop looks (seed 9705 went from 61 % to
+        # done between two looks, and its two later points were never reached).
+        schedule = KillSchedule(rng, unique, within=(0.05, 0.55))
         while True:
             done = await progress(pg)
             if done is not None:

@@ -191,12 +191,18 @@ class KillSchedule:
     a pod that never got going proves nothing.
     """
 
-    def __init__(self, rng: random.Random, total: int, step: int = 1) -> None:
+    def __init__(
+        self,
+        rng: random.Random,
+        total: int,
+        step: int = 1,
+        within: tuple[float, float] = (0.05, 0.9),
+    ) -> None:
         self.rng, self.total, self.step = rng, total, step
         self.next_kill = time.monotonic() + rng.uniform(1, 3)
         # kills by the clock alone depend on the throughput: a run that drains its work in
-        # seconds once got 2 kills; these points do not
-        self.points = sorted(rng.uniform(0.05, 0.9) for _ in range(3))
+        # seconds once got 2 kills; these points (shares of the work, ``within``) do not
+        self.points = sorted(rng.uniform(*within) for _ in range(3))
         self.killed_at = -step  # progress at the last kill
 
     async def tick(self, fleet: Fleet, done: int) -> None:
