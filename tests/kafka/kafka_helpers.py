@@ -6,10 +6,11 @@ Tansu itself, waiting, queries and worker processes are shared: tests/support/.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from decimal import Decimal
 from typing import Any
 
@@ -19,7 +20,9 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic  # type: ignore[import-
 
 from tests.support.credits import credit_body
 from tests.support.processes import WorkerProcess, clean_env
-from worker.brokers.kafka import KafkaSettings
+from worker.brokers.kafka import KafkaConsumer, KafkaSettings
+from worker.delivery import Delivery
+from worker.settings import Settings
 
 # Test-broker quirks, in the tests only (see docs/kafka.md, "Testing"):
 # - Tansu holds a group join for session_timeout/2, and a member that stops in
@@ -36,6 +39,29 @@ TEST_QUIRKS: dict[str, Any] = {
 
 
 # -- topics, records, offsets -----------------------------------------------------------
+
+
+MakeTopic = Callable[[int], Awaitable[str]]
+"""The ``new_topic`` fixture: ``await new_topic(partitions)``, a topic of the test's own."""
+
+
+@contextlib.asynccontextmanager
+async def consuming(
+    kafka: KafkaSettings, settings: Settings | None = None, *, prefetch: int = 4
+) -> AsyncIterator[KafkaConsumer]:
+    """A started consumer without a pump: the test takes its deliveries with :func:`receive`."""
+    broker = KafkaConsumer(settings or Settings(), kafka)
+    await broker.start(prefetch=prefetch)
+    try:
+        yield broker
+    finally:
+        await broker.stop_receiving()
+        await broker.close()
+
+
+async def receive(broker: KafkaConsumer, seconds: float = 15.0) -> Delivery:
+    async with asyncio.timeout(seconds):
+        return await broker.receive()
 
 
 def unique(prefix: str) -> str:

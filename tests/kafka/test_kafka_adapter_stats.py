@@ -7,38 +7,17 @@ real event it names: an assignment, a seek back for a nack, a commit, a revocati
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 
 import pytest
 
-from tests.kafka.kafka_helpers import produce
+from tests.kafka.kafka_helpers import MakeTopic, consuming, produce, receive
 from tests.support.waiting import wait_for
 from worker.brokers.kafka import KafkaConsumer, KafkaSettings
-from worker.delivery import Delivery
 from worker.settings import Settings
 
 pytestmark = pytest.mark.kafka
-
-NewTopic = Callable[[int], Awaitable[str]]
-
-
-@contextlib.asynccontextmanager
-async def started(kafka: KafkaSettings) -> AsyncIterator[KafkaConsumer]:
-    broker = KafkaConsumer(Settings(), kafka)
-    await broker.start(prefetch=4)
-    try:
-        yield broker
-    finally:
-        await broker.stop_receiving()
-        await broker.close()
-
-
-async def receive(broker: KafkaConsumer, seconds: float = 10.0) -> Delivery:
-    async with asyncio.timeout(seconds):
-        return await broker.receive()
 
 
 def test_the_destination_is_the_topics_consumed(
@@ -51,12 +30,12 @@ def test_the_destination_is_the_topics_consumed(
 
 
 async def test_an_assignment_a_nack_and_a_commit_move_their_counters(
-    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
+    new_topic: MakeTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
 ) -> None:
     topic = await new_topic(2)
     await produce(bootstrap, topic, [(None, b"{}", {"message-id": "m0"}, 0)])
 
-    async with started(kafka_settings(topic)) as broker:
+    async with consuming(kafka_settings(topic)) as broker:
         assert broker.destination == topic
         await wait_for(lambda: broker.stats["partitions_assigned"] == 2, 15, "the assignment")
         assert broker.stats["rebalances"] == 1
@@ -77,17 +56,17 @@ async def test_an_assignment_a_nack_and_a_commit_move_their_counters(
 
 
 async def test_a_rebalance_counts_the_revocation_and_the_record_it_dropped(
-    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
+    new_topic: MakeTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
 ) -> None:
     topic = await new_topic(2)
     await produce(bootstrap, topic, [(None, b"{}", {"message-id": "held"}, 0)])
     kafka = kafka_settings(topic, rebalance_grace=0.3)
 
-    async with started(kafka) as first:
+    async with consuming(kafka) as first:
         await wait_for(lambda: len(first.assignment) == 2, 15, "the first member's assignment")
         held = await receive(first)  # in flight, not settled within the grace period
         assert held.message_id == "held"
-        async with started(kafka) as second:
+        async with consuming(kafka) as second:
             await wait_for(lambda: first.assignment and second.assignment, 20, "the rebalance")
             # the join takes both partitions away at once, the held record's with them
             assert first.stats["partitions_revoked"] >= 2

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,21 +15,18 @@ from pydantic import BaseModel
 from sqlalchemy import event, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from tests.kafka.kafka_helpers import committed, produce
+from tests.kafka.kafka_helpers import MakeTopic, committed, consuming, produce, receive
 from tests.support.database import execute, fetch, marker_count, scalar
 from tests.support.waiting import wait_for
 from worker import inbox
 from worker.brokers.kafka import KafkaConsumer, KafkaSettings, load_kafka_settings
 from worker.db import create_engine, session_factory
-from worker.delivery import Delivery
 from worker.errors import ConfigurationError, SettlementLost
 from worker.pump import Pump
 from worker.registry import Context, Registry
 from worker.settings import Settings
 
 pytestmark = [pytest.mark.kafka, pytest.mark.postgres]
-
-NewTopic = Callable[[int], Awaitable[str]]
 
 
 def test_offsets_setting_is_checked_with_one_line_naming_the_variable(
@@ -47,20 +44,10 @@ def test_offsets_setting_is_checked_with_one_line_naming_the_variable(
     assert load_kafka_settings().offsets == "broker"  # the default stays the broker's
 
 
-@contextlib.asynccontextmanager
-async def member(kafka: KafkaSettings, url: str, **core: Any) -> AsyncIterator[KafkaConsumer]:
-    broker = KafkaConsumer(Settings(database_url=url, **core), kafka)
-    await broker.start(prefetch=4)
-    try:
-        yield broker
-    finally:
-        await broker.stop_receiving()
-        await broker.close()
-
-
-async def receive(broker: KafkaConsumer, seconds: float = 15.0) -> Delivery:
-    async with asyncio.timeout(seconds):
-        return await broker.receive()
+def member(
+    kafka: KafkaSettings, url: str, **core: Any
+) -> contextlib.AbstractAsyncContextManager[KafkaConsumer]:
+    return consuming(kafka, Settings(database_url=url, **core))
 
 
 async def stored(url: str, group: str, topic: str) -> dict[int, int | None]:
@@ -77,7 +64,7 @@ def records(count: int, partition: int = 0) -> list[Any]:
 
 
 async def test_a_member_starts_at_the_stored_offset_not_the_brokers(
-    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], postgres_only_url: str
+    new_topic: MakeTopic, kafka_settings: Callable[..., KafkaSettings], postgres_only_url: str
 ) -> None:
     url, topic = postgres_only_url, await new_topic(1)
     kafka = kafka_settings(topic, offsets="database")
@@ -144,7 +131,7 @@ def note_registry(member_name: str, gate: asyncio.Event | None, started: list[in
 
 
 async def test_a_member_whose_partition_was_reassigned_cannot_commit(
-    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], postgres_only_url: str
+    new_topic: MakeTopic, kafka_settings: Callable[..., KafkaSettings], postgres_only_url: str
 ) -> None:
     """`a` holds one record of each of two partitions in its handler when `b` joins. The
     rebalance gives one partition to `b`, which processes it at once; `a`'s handlers then
@@ -187,7 +174,7 @@ async def test_a_member_whose_partition_was_reassigned_cannot_commit(
 
 
 async def test_a_batch_stores_the_contiguous_prefix_once_past_a_failure_in_the_middle(
-    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], postgres_only_url: str
+    new_topic: MakeTopic, kafka_settings: Callable[..., KafkaSettings], postgres_only_url: str
 ) -> None:
     """WORKER_BATCH_SIZE=4: four contiguous records of a partition out at once. The batch
     commits 0, 1 and 3 (2 failed): the stored offset and the broker commit stop at 2, and
@@ -236,7 +223,7 @@ async def test_a_batch_stores_the_contiguous_prefix_once_past_a_failure_in_the_m
 
 
 async def test_a_fenced_transaction_rolls_back_and_the_row_keeps_the_new_owners_offset(
-    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], postgres_only_url: str
+    new_topic: MakeTopic, kafka_settings: Callable[..., KafkaSettings], postgres_only_url: str
 ) -> None:
     """A member that has not noticed the rebalance yet: another owner claimed the row and
     stored 5; this member's transaction (marker and all) must fail, not write 1."""

@@ -3,15 +3,14 @@ database (redeliveries, records a previous owner may have started), and which ar
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from pydantic import BaseModel
 
-from tests.kafka.kafka_helpers import produce
+from tests.kafka.kafka_helpers import MakeTopic, consuming, produce, receive
 from tests.support.database import fetch
 from tests.support.pumps import engine_for, running_pump
 from tests.support.waiting import wait_for
@@ -23,8 +22,6 @@ from worker.registry import Context, Registry
 from worker.settings import Settings, load
 
 pytestmark = [pytest.mark.kafka, pytest.mark.postgres]
-
-NewTopic = Callable[[int], Awaitable[str]]
 
 
 def test_delivery_count_settings_are_checked_with_one_line_naming_the_variable(
@@ -61,7 +58,7 @@ async def counts(url: str) -> dict[str, int]:
 
 @pytest.mark.parametrize("first", [False, True])
 async def test_redeliveries_are_counted_and_first_deliveries_only_when_asked(
-    new_topic: NewTopic,
+    new_topic: MakeTopic,
     kafka_settings: Callable[..., KafkaSettings],
     postgres_only_url: str,
     first: bool,
@@ -97,20 +94,9 @@ async def test_redeliveries_are_counted_and_first_deliveries_only_when_asked(
         assert await counts(url) == {"flaky": 1}
 
 
-@contextlib.asynccontextmanager
-async def member(kafka: KafkaSettings, url: str) -> AsyncIterator[KafkaConsumer]:
-    broker = KafkaConsumer(Settings(database_url=url, delivery_counts="database"), kafka)
-    await broker.start(prefetch=1)
-    try:
-        yield broker
-    finally:
-        await broker.stop_receiving()
-        await broker.close()
-
-
-async def receive(broker: KafkaConsumer) -> Delivery:
-    async with asyncio.timeout(15):
-        return await broker.receive()
+def member(kafka: KafkaSettings, url: str) -> contextlib.AbstractAsyncContextManager[KafkaConsumer]:
+    settings = Settings(database_url=url, delivery_counts="database")
+    return consuming(kafka, settings, prefetch=1)
 
 
 def offset(delivery: Delivery) -> Any:
@@ -119,7 +105,7 @@ def offset(delivery: Delivery) -> Any:
 
 @pytest.mark.parametrize("offsets", ["broker", "database"])
 async def test_records_a_crashed_owner_may_have_started_come_as_redeliveries(
-    new_topic: NewTopic,
+    new_topic: MakeTopic,
     kafka_settings: Callable[..., KafkaSettings],
     postgres_only_url: str,
     offsets: str,
@@ -150,7 +136,7 @@ async def test_records_a_crashed_owner_may_have_started_come_as_redeliveries(
 
 
 async def test_after_a_clean_hand_over_nothing_is_suspect(
-    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], postgres_only_url: str
+    new_topic: MakeTopic, kafka_settings: Callable[..., KafkaSettings], postgres_only_url: str
 ) -> None:
     url, topic = postgres_only_url, await new_topic(1)
     kafka = kafka_settings(topic, offsets="database")

@@ -6,13 +6,13 @@ import asyncio
 import contextlib
 import shutil
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from pydantic import BaseModel
 
-from tests.kafka.kafka_helpers import committed, produce
+from tests.kafka.kafka_helpers import MakeTopic, committed, produce
 from tests.support.pumps import MakeSettings
 from tests.support.waiting import wait_for
 from worker.brokers.kafka import KafkaConsumer, KafkaSettings
@@ -25,8 +25,6 @@ from worker.settings import Settings
 
 pytestmark = pytest.mark.kafka
 
-NewTopic = Callable[[int], Awaitable[str]]
-
 
 class ShortTimeout(Settings):
     """WORKER_HANDLER_TIMEOUT=0.5, WORKER_RETRY_BUDGET=0.1: overdue after 1.1 s with the margin."""
@@ -36,7 +34,7 @@ class ShortTimeout(Settings):
 
 
 async def test_a_hung_record_moves_its_partition_to_another_member(
-    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
+    new_topic: MakeTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
 ) -> None:
     topic = await new_topic(2)
     kafka = kafka_settings(topic, watchdog_margin=0.5, rebalance_grace=1.0)
@@ -98,7 +96,7 @@ class Ping(BaseModel):
 
 
 async def test_a_handler_that_outlives_its_time_limit_loses_its_partition_to_another_pump(
-    new_topic: NewTopic,
+    new_topic: MakeTopic,
     kafka_settings: Callable[..., KafkaSettings],
     bootstrap: str,
     sqlite_template: Path,

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.kafka.kafka_helpers import committed, produce
+from tests.kafka.kafka_helpers import MakeTopic, committed, produce
 from tests.support.waiting import wait_for
 from worker.brokers.kafka import KafkaConsumer, KafkaSettings
 from worker.delivery import Delivery
@@ -23,7 +23,6 @@ from worker.settings import Settings
 
 pytestmark = pytest.mark.kafka
 
-NewTopic = Callable[[int], Awaitable[str]]
 Commits = list[dict[int, int]]
 
 
@@ -77,7 +76,7 @@ async def run(
 
 
 async def test_keys_run_in_parallel_and_each_key_in_order(
-    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
+    new_topic: MakeTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
 ) -> None:
     topic = await new_topic(1)
     keys = "abcd" * 6
@@ -118,7 +117,7 @@ async def test_keys_run_in_parallel_and_each_key_in_order(
 
 
 async def test_the_commit_waits_for_the_slowest_key_and_a_nack_holds_only_its_key(
-    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
+    new_topic: MakeTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
 ) -> None:
     topic = await new_topic(1)
     await produce(bootstrap, topic, keyed("abbbbbbabb"))  # a0 slow, a7 behind it
@@ -166,7 +165,7 @@ async def test_the_commit_waits_for_the_slowest_key_and_a_nack_holds_only_its_ke
 
 
 async def test_the_window_behind_a_slow_key_is_bounded(
-    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
+    new_topic: MakeTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
 ) -> None:
     topic = await new_topic(1)
     await produce(bootstrap, topic, keyed("s" + "abcdefgh" * 10))  # s0 never settles here

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import shutil
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,39 +15,23 @@ from aiokafka import AIOKafkaProducer, TopicPartition  # type: ignore[import-unt
 from aiokafka.errors import KafkaConnectionError  # type: ignore[import-untyped]
 
 from tests.kafka.kafka_helpers import (
+    MakeTopic,
     committed,
     committed_is,
+    consuming,
     header,
     produce,
+    receive,
     topic_records,
     worker_env,
 )
 from tests.support.processes import arun_cli
 from tests.support.waiting import wait_for
 from worker.brokers.kafka import KafkaConsumer, KafkaSettings
-from worker.delivery import Delivery
 from worker.errors import BrokerUnavailable, ConfigurationError, SettlementLost
 from worker.settings import Settings
 
 pytestmark = pytest.mark.kafka
-
-NewTopic = Callable[[int], Awaitable[str]]
-
-
-@contextlib.asynccontextmanager
-async def started(kafka: KafkaSettings) -> AsyncIterator[KafkaConsumer]:
-    broker = KafkaConsumer(Settings(), kafka)
-    await broker.start(prefetch=4)
-    try:
-        yield broker
-    finally:
-        await broker.stop_receiving()
-        await broker.close()
-
-
-async def receive(broker: KafkaConsumer, seconds: float = 10.0) -> Delivery:
-    async with asyncio.timeout(seconds):
-        return await broker.receive()
 
 
 async def nothing_within(broker: KafkaConsumer, seconds: float) -> None:
@@ -71,7 +54,7 @@ def spy_commits(broker: KafkaConsumer, log: list[tuple[float, dict[int, int]]]) 
 
 
 async def test_commit_stops_below_a_nacked_record_until_it_is_settled(
-    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
+    new_topic: MakeTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
 ) -> None:
     topic = await new_topic(1)
     await produce(bootstrap, topic, [(None, b"{}", {"message-id": f"m{n}"}, 0) for n in range(10)])
@@ -80,7 +63,7 @@ async def test_commit_stops_below_a_nacked_record_until_it_is_settled(
     acked: list[tuple[str | None, int]] = []
     acked_3_at = 0.0
 
-    async with started(kafka) as broker:
+    async with consuming(kafka) as broker:
         spy_commits(broker, commits)
 
         async def consume() -> None:  # four of these, like the pump's workers
@@ -112,12 +95,12 @@ async def test_commit_stops_below_a_nacked_record_until_it_is_settled(
 
 
 async def test_partitions_run_in_parallel_and_each_in_order(
-    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
+    new_topic: MakeTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
 ) -> None:
     topic = await new_topic(2)
     await produce(bootstrap, topic, [(None, b"{}", {"message-id": f"p{p}-0"}, p) for p in (0, 1)])
 
-    async with started(kafka_settings(topic)) as broker:
+    async with consuming(kafka_settings(topic)) as broker:
         first = await receive(broker)
         held_partition = first.message_id.split("-")[0]  # type: ignore[union-attr]
         other = "p1" if held_partition == "p0" else "p0"
@@ -142,14 +125,14 @@ async def test_partitions_run_in_parallel_and_each_in_order(
 
 
 async def test_revoke_commits_what_settled_in_time_and_loses_the_rest(
-    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
+    new_topic: MakeTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
 ) -> None:
     topic = await new_topic(2)
     records = [(None, b"{}", {"message-id": f"p{p}-{n}"}, p) for p in (0, 1) for n in range(3)]
     await produce(bootstrap, topic, records)
     kafka = kafka_settings(topic, rebalance_grace=1.5, commit_interval=60)
 
-    async with started(kafka) as first:
+    async with consuming(kafka) as first:
         await wait_for(lambda: len(first.assignment) == 2, 15, "the first member's assignment")
         one, two = await receive(first), await receive(first)
         slow, late = sorted([one, two], key=lambda d: d.message_id or "")  # p0-0, p1-0
@@ -193,12 +176,12 @@ async def test_revoke_commits_what_settled_in_time_and_loses_the_rest(
 
 
 async def test_a_failed_dead_letter_send_settles_nothing(
-    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
+    new_topic: MakeTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
 ) -> None:
     topic = await new_topic(1)
     await produce(bootstrap, topic, [(None, b"{}", {"message-id": f"m{n}"}, 0) for n in range(2)])
     kafka = kafka_settings(topic, commit_interval=0.05)
-    async with started(kafka) as broker:
+    async with consuming(kafka) as broker:
         producer = broker._producer
         real_send = producer.send_and_wait
 
@@ -236,13 +219,13 @@ async def test_an_unreachable_broker_is_broker_unavailable(
 
 
 async def test_an_uncounted_nack_does_not_spend_a_delivery(
-    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
+    new_topic: MakeTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
 ) -> None:
     """A delivery count is spent only by the message's own failure: a give-back the
     record is not to blame for keeps its delivery count."""
     topic = await new_topic(1)
     await produce(bootstrap, topic, [(None, b"{}", {"message-id": "m0"}, 0)])
-    async with started(kafka_settings(topic)) as broker:
+    async with consuming(kafka_settings(topic)) as broker:
         counts = []
         for counted in (False, False, True, False, True):
             delivery = await receive(broker)
@@ -253,7 +236,7 @@ async def test_an_uncounted_nack_does_not_spend_a_delivery(
 
 
 async def test_the_buffer_is_bounded_in_bytes_not_only_in_records(
-    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
+    new_topic: MakeTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
 ) -> None:
     """Issue 15 (suspected, confirmed): 500 buffered 1 MiB records would be 500 MiB."""
     topic = await new_topic(1)
@@ -266,7 +249,7 @@ async def test_the_buffer_is_bounded_in_bytes_not_only_in_records(
     kafka = kafka_settings(
         topic, max_buffered_bytes=room, max_partition_fetch_bytes=fetch, fetch_max_bytes=fetch
     )
-    async with started(kafka) as broker:
+    async with consuming(kafka) as broker:
         first = await receive(broker)  # held: everything behind it stays buffered
         await asyncio.sleep(2.0)  # plenty of fetch rounds
         (partition,) = broker._partitions.values()
@@ -312,7 +295,7 @@ async def test_a_broker_refusing_the_idempotent_producer_names_the_setting(
 
 
 async def test_a_dead_letter_refused_even_reduced_is_rewound_not_released(
-    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
+    new_topic: MakeTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
 ) -> None:
     """Every move of a message is at-least-once: no copy confirmed, no release, even
     when the refusal is for good."""
@@ -320,7 +303,7 @@ async def test_a_dead_letter_refused_even_reduced_is_rewound_not_released(
     await produce(bootstrap, topic, [(None, b"{}", {"message-id": f"m{n}"}, 0) for n in range(2)])
     # the smallest request size: even the dlt-* headers of a long reason do not fit
     kafka = kafka_settings(topic, max_request_size=1024, commit_interval=0.05)
-    async with started(kafka) as broker:
+    async with consuming(kafka) as broker:
         first = await receive(broker)
         with pytest.raises(SettlementLost, match="refused the record"):
             await first.dead_letter("r" * 1500)
@@ -334,7 +317,7 @@ async def test_a_dead_letter_refused_even_reduced_is_rewound_not_released(
 
 
 async def test_a_keyless_tombstone_can_be_dead_lettered(
-    new_topic: NewTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
+    new_topic: MakeTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
 ) -> None:
     """No key and no value: aiokafka refuses to send that as is; the letter carries b""."""
     topic = await new_topic(1)
@@ -348,7 +331,7 @@ async def test_a_keyless_tombstone_can_be_dead_lettered(
         await sent
     finally:
         await producer.stop()
-    async with started(kafka_settings(topic, commit_interval=0.05)) as broker:
+    async with consuming(kafka_settings(topic, commit_interval=0.05)) as broker:
         delivery = await receive(broker)
         assert delivery.body == b""
         await delivery.dead_letter("invalid body")
