@@ -557,9 +557,15 @@ class _Signals:
         self._pump = pump
 
     def _received(self) -> None:
-        if self._pump is not None and self._pump.started.is_set():
-            self._pump.stop()
-        elif not self.cancelled:
+        pump = self._pump
+        if pump is not None:
+            # Asked before the cancel below: a library that swallows the CancelledError
+            # (seen inside a broker's connect) must not lose the signal; the pump then
+            # stops at once, gracefully, as soon as its start returns.
+            pump.stop()
+            if pump.started.is_set():
+                return
+        if not self.cancelled:
             self.cancelled = True
             self._task.cancel()
 
