@@ -555,6 +555,8 @@ class _Signals:
 
     def hand_over(self, pump: Any) -> None:
         self._pump = pump
+        if self.cancelled:  # a signal came first, and its cancel was swallowed on the way here
+            pump.stop()
 
     def _received(self) -> None:
         pump = self._pump

@@ -4,6 +4,7 @@ the cancellation it causes (the pump then stops as soon as its start returns).""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import signal
 from collections import Counter
@@ -83,3 +84,31 @@ async def test_a_signal_while_the_broker_starts_stops_the_pump_even_if_the_cance
                 loop.remove_signal_handler(sig)
     assert broker.swallowed, "the start did not see the cancel: the test proves nothing"
     assert pump.started.is_set() and not pump.consuming  # started, then stopped gracefully
+
+
+async def test_a_signal_before_the_hand_over_whose_cancel_was_lost_stops_the_pump_it_meets(
+    sqlite_template: Path, tmp_path: Path
+) -> None:
+    path = tmp_path / "worker.db"
+    shutil.copy(sqlite_template, path)
+    url = f"sqlite+aiosqlite:///{path}"
+    loop = asyncio.get_running_loop()
+    async with engine_for(url) as engine:
+        pump = Pump(MemoryBroker().connect(), engine, credit_registry(), Settings(database_url=url))
+
+        async def serve() -> None:
+            signals = cli._Signals()
+            signals._received()  # SIGTERM before the pump exists: the start-up is cancelled...
+            with contextlib.suppress(asyncio.CancelledError):  # ...and something on the
+                await asyncio.sleep(0)  # way swallows that cancel
+            signals.hand_over(pump)
+            await pump.run()
+
+        task = asyncio.create_task(serve())
+        try:
+            await asyncio.wait_for(task, 10)  # the pump it meets stops at once
+        finally:
+            task.cancel()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+    assert pump.started.is_set() and not pump.consuming
