@@ -63,14 +63,20 @@ class Process:
 
 class Worker:
     def __init__(
-        self, bus: FakeServiceBus, sb: ServiceBusSettings, settings: Settings, name: str
+        self,
+        bus: FakeServiceBus,
+        sb: ServiceBusSettings,
+        settings: Settings,
+        name: str,
+        handlers: Registry | None = None,
     ) -> None:
         self.process = Process(bus)
         self.consumer = ServiceBusConsumer(sb, self.process)
         self.engine: AsyncEngine = create_engine(
             settings.database_url, pool_size=settings.pool_size
         )
-        self.pump = Pump(self.consumer, self.engine, registry(), settings, name=name)
+        handlers = registry() if handlers is None else handlers
+        self.pump = Pump(self.consumer, self.engine, handlers, settings, name=name)
         self.task = asyncio.create_task(self.pump.run())
 
     async def stop(self) -> None:
@@ -80,11 +86,17 @@ class Worker:
         await self.engine.dispose()
 
 
-def registry() -> Registry:
+def registry(hold: asyncio.Event | None = None, after: int = 0) -> Registry:
+    """The credit handler; with ``hold``, every message after the first ``after`` waits for
+    it (a worker that is sure to hold deliveries when it is killed)."""
     handlers = Registry()
+    passed: set[str] = set()
 
     @handlers.handler("CreditRequested", CreditRequested, consumer="credit")
     async def credit(ctx: Context, message: CreditRequested) -> None:
+        passed.add(ctx.message_id)
+        if hold is not None and len(passed) > after:
+            await hold.wait()
         await asyncio.sleep(0.002)  # keep every worker holding a few locks
         await apply_credit(ctx, message)
 
@@ -123,7 +135,11 @@ async def test_several_pumps_duplicates_and_a_killed_worker(database_url: str) -
     )
     messages, expected = credits()
     admin = ServiceBusAdmin(sb, bus.client)
-    workers = [Worker(bus, sb, settings, f"worker-{n}") for n in range(3)]
+    # The victim holds what it takes after its first 30 messages until it is killed: a
+    # fast machine otherwise drained its share between two looks, holding nothing.
+    hold = asyncio.Event()
+    victim = Worker(bus, sb, settings, "worker-0", registry(hold, after=30))
+    workers = [victim, *(Worker(bus, sb, settings, f"worker-{n}") for n in (1, 2))]
 
     async def produce() -> None:
         for start in range(0, len(messages), 40):
@@ -131,7 +147,6 @@ async def test_several_pumps_duplicates_and_a_killed_worker(database_url: str) -
             await asyncio.sleep(0.05)
 
     producer = asyncio.create_task(produce())
-    victim = workers[0]
     await wait_for(
         lambda: victim.pump.stats["ack"] >= 20 and victim.consumer.unsettled > 0,
         30,
@@ -139,6 +154,7 @@ async def test_several_pumps_duplicates_and_a_killed_worker(database_url: str) -
         step=0.02,
     )
     victim.process.kill()
+    hold.set()  # its handlers finish now, into a connection that is gone
     await victim.stop()  # nothing it held can be settled now: its locks must run out
     workers.append(Worker(bus, sb, settings, "replacement"))
 
