@@ -44,10 +44,10 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from worker import attempts, inbox, metrics
-from worker.db import HANDLER_RUNNING, Failure, HandlerRun, classify
+from worker.db import HANDLER_RUNNING, Failure, HandlerRun, classify, discard
 from worker.delivery import Delivery, ack_many
 from worker.errors import AlreadySettled, HandlerTimeout, Rejected, StatementSwallowed
-from worker.judge import discard, refused_value
+from worker.judge import refused_value
 from worker.registry import BatchContext, Context, Handler
 from worker.retry import backoff
 from worker.verdict import COMMITTED, DUPLICATE, PAUSED, UNEXPECTED, Outcome, Verb, Verdict
@@ -73,10 +73,6 @@ _BOUND_LOCKS = text(
     "SELECT previous.value, set_config('lock_timeout', :t, true) FROM previous"
 )
 _RESTORE_LOCKS = text("SELECT set_config('lock_timeout', :t, true)")
-_SWALLOWED = (
-    "a statement failed inside the handler and the handler carried on; the transaction is "
-    "aborted: catch database errors inside `async with ctx.session.begin_nested():` instead"
-)
 
 BatchKey = tuple[str | None, Hashable]
 
@@ -434,8 +430,7 @@ class BatchRunner:
             await handler.batch(context, messages)
         finally:
             HANDLER_RUNNING.reset(running)
-        if run.failures:
-            raise StatementSwallowed(_SWALLOWED) from run.failures[0]
+        run.refuse_swallowed()
 
     async def _savepoint(
         self, session: PumpSession, handler: Handler[Any], item: _Item, attempt: int
@@ -458,8 +453,7 @@ class BatchRunner:
                 await handler.func(context, item.decoded[handler.model])
             finally:
                 HANDLER_RUNNING.reset(running)
-            if run.failures:
-                raise StatementSwallowed(_SWALLOWED) from run.failures[0]
+            run.refuse_swallowed()
             await nested.commit()  # flushes: a version conflict surfaces here, as its own
         except Exception as exc:
             # after a failed flush too (the savepoint is then inactive, not yet rolled back);

@@ -72,7 +72,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from worker.db import HANDLER_RUNNING, Failure, classify, insert_ignoring_conflicts
+from worker.db import HANDLER_RUNNING, Failure, classify, discard, insert_ignoring_conflicts
 from worker.errors import Poison, Retry
 from worker.inbox import InboxMarker
 from worker.logs import scrub
@@ -270,7 +270,7 @@ async def acquire(
         # a live lease; an abandoned claim keeps one after a call that timed out
         return Held(max(0.0, (_aware(state.lease_until) - _aware(state.now)).total_seconds()))
     finally:
-        await _close(session)
+        await discard(session)
 
 
 async def _take_over(
@@ -320,7 +320,7 @@ async def take_over(sessions: async_sessionmaker[Any], claim_id: int, lease: flo
         await AsyncSession.commit(session)
         return claim
     finally:
-        await _close(session)
+        await discard(session)
 
 
 # -- the runner: what the pump calls for a side-effect handler -------------------------
@@ -491,7 +491,7 @@ async def run(
             failure = classify(exc)
             if failure in _NOT_NOW:
                 raise
-            await _close(session)  # first: on PostgreSQL it still locks the claim's row
+            await discard(session)  # first: on PostgreSQL it still locks the claim's row
             if failure is Failure.CONFLICT or failure is Failure.TRANSIENT:
                 return await _lost_to_contention(sessions, claim, exc, failure, settings, log, who)
             # a value the database refuses is poison (the pump dead-letters it at once)
@@ -501,7 +501,7 @@ async def run(
             )
             raise
     finally:
-        await _close(session)
+        await discard(session)
     if not finished:
         # Our lease ran out mid-call and another replica finished first, with the same key:
         # its writes recorded the call, ours were rolled back.
@@ -594,7 +594,7 @@ async def _keep(
         log.warning("claim update failed", claim_id=claim.id, error=exc)
         row = None
     finally:
-        await _close(session)
+        await discard(session)
     if row is None:  # taken over meanwhile, or no answer: our own bound is the best we know
         return max(0.0, claim.deadline - time.monotonic())
     return max(0.0, (_aware(row.lease_until) - _aware(row.now)).total_seconds())
@@ -672,7 +672,7 @@ async def _release(
         log.warning("claim release failed", claim_id=claim.id, error=exc)
         return
     finally:
-        await _close(session)
+        await discard(session)
     if abandon and result.rowcount:  # type: ignore[attr-defined]
         log.warning(
             "claim abandoned",
@@ -682,13 +682,6 @@ async def _release(
             outcome=ABANDONED,
             reason=values["outcome"],
         )
-
-
-async def _close(session: AsyncSession) -> None:
-    try:
-        await AsyncSession.close(session)
-    except Exception:  # a broken connection can fail its own rollback; the pool drops it
-        await AsyncSession.invalidate(session)
 
 
 def _aware(value: datetime) -> datetime:

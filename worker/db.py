@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import (
 from sqlalchemy.orm import DeclarativeBase, Session
 from sqlalchemy.orm.exc import StaleDataError
 
-from worker.errors import TransactionOwnedByPump
+from worker.errors import StatementSwallowed, TransactionOwnedByPump
 
 INBOX_CONSTRAINT = "uq_inbox_message_consumer"
 """The one unique constraint whose violation means "already processed"."""
@@ -73,6 +73,15 @@ class HandlerRun:
     def __init__(self) -> None:
         self.failures: list[BaseException] = []
         self._marks: list[int] = []
+
+    def refuse_swallowed(self) -> None:
+        """Raise :class:`StatementSwallowed` if a statement failed and the handler carried on."""
+        if self.failures:
+            raise StatementSwallowed(
+                "a statement failed inside the handler and the handler carried on; "
+                "the transaction is aborted: catch database errors inside "
+                "`async with ctx.session.begin_nested():` instead"
+            ) from self.failures[0]
 
 
 HANDLER_RUNNING: ContextVar[bool | HandlerRun] = ContextVar("worker_handler_running", default=False)
@@ -320,3 +329,11 @@ def _classify_sqlite(orig: sqlite3.OperationalError) -> Failure:
     if "unable to open" in message or "disk I/O" in message:
         return Failure.CONNECTION
     return Failure.ERROR
+
+
+async def discard(session: AsyncSession) -> None:
+    """Close a session (rolling back what did not commit), whatever state it is in."""
+    try:
+        await AsyncSession.close(session)
+    except Exception:  # a broken connection can fail its own rollback; the pool drops it
+        await AsyncSession.invalidate(session)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from worker.db import Failure, classify
+from worker.db import Failure, classify, discard
 from worker.errors import Poison, Rejected, Retry, StatementSwallowed
 from worker.rejections import deleted_row, record_rejection
 from worker.retry import backoff
@@ -61,14 +61,6 @@ def refused_value(consumer: str, exc: BaseException, attempt: int = 0) -> Verdic
     """A value the database refuses (SQLSTATE class 22): no retry can fix it."""
     reason = f"{consumer}: the database refuses a value: {type(exc).__name__}: {exc}"
     return Verdict(Verb.DEAD_LETTER, Outcome.POISON, reason, attempt=attempt)
-
-
-async def discard(session: AsyncSession) -> None:
-    """Close an attempt's session (rolling back what did not commit), whatever state it is in."""
-    try:
-        await AsyncSession.close(session)
-    except Exception:  # a broken connection can fail its own rollback; the pump drops it
-        await AsyncSession.invalidate(session)
 
 
 class Judge:

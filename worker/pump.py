@@ -51,11 +51,11 @@ from worker import attempts, inbox, metrics
 from worker.brokers import Broker
 from worker.claims import ClaimRunner
 from worker.concurrency import prepare_models
-from worker.db import session_factory
+from worker.db import discard, session_factory
 from worker.delivery import Delivery
 from worker.errors import AlreadySettled, SettlementLost
 from worker.health import DatabaseHealth
-from worker.judge import Judge, Runner, discard
+from worker.judge import Judge, Runner
 from worker.logs import get_logger
 from worker.registry import Handler, Registry, Runs
 from worker.settings import Settings

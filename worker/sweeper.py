@@ -23,7 +23,8 @@ from pydantic import ValidationError
 from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from worker.claims import ABANDONED, CLAIMED, _aware, _close, _inbox, _now, run, take_over
+from worker.claims import ABANDONED, CLAIMED, _aware, _inbox, _now, run, take_over
+from worker.db import discard
 from worker.logs import scrub
 from worker.registry import Runs
 
@@ -83,7 +84,7 @@ async def stale_claims(sessions: async_sessionmaker[Any], limit: int = 100) -> l
         )
         rows = (await session.execute(statement)).all()
     finally:
-        await _close(session)
+        await discard(session)
     return [
         StaleClaim(
             row.id,
@@ -199,7 +200,7 @@ async def _abandon_exhausted(
         )
         await AsyncSession.commit(session)
     finally:
-        await _close(session)
+        await discard(session)
     return bool(result.rowcount)  # type: ignore[attr-defined]
 
 
@@ -226,7 +227,7 @@ async def abandoned_claims(
             )
         ).all()
     finally:
-        await _close(session)
+        await discard(session)
     return [
         {
             "id": row.id,
@@ -247,7 +248,7 @@ async def _body(sessions: async_sessionmaker[Any], claim_id: int) -> bytes | Non
     try:
         body = await session.scalar(select(_inbox.c.body).where(_inbox.c.id == claim_id))
     finally:
-        await _close(session)
+        await discard(session)
     return cast(bytes | None, body)
 
 

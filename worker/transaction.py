@@ -21,9 +21,8 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from worker import inbox
-from worker.db import HANDLER_RUNNING, HandlerRun
-from worker.errors import HandlerTimeout, StatementSwallowed
-from worker.judge import discard
+from worker.db import HANDLER_RUNNING, HandlerRun, discard
+from worker.errors import HandlerTimeout
 from worker.registry import Context
 from worker.verdict import COMMITTED
 
@@ -84,8 +83,7 @@ class TransactionRunner:
                     raise _overran(timeout) from exc
                 finally:
                     HANDLER_RUNNING.reset(running)
-                if run.failures:
-                    raise _swallowed() from run.failures[0]
+                run.refuse_swallowed()
                 if delivery.in_transaction is not None:
                     await delivery.in_transaction(session)
                 await AsyncSession.commit(session)
@@ -145,14 +143,6 @@ class TransactionRunner:
             return True
         await inbox.mark(session, message_id, consumer)
         return False
-
-
-def _swallowed() -> StatementSwallowed:
-    return StatementSwallowed(
-        "a statement failed inside the handler and the handler carried on; "
-        "the transaction is aborted: catch database errors inside "
-        "`async with ctx.session.begin_nested():` instead"
-    )
 
 
 def _overran(seconds: float) -> HandlerTimeout:
