@@ -15,11 +15,10 @@ from typing import Any
 
 import pytest
 
-from tests.kafka.kafka_helpers import MakeTopic, committed, produce
+from tests.kafka.kafka_helpers import MakeTopic, committed, consuming, produce
 from tests.support.waiting import wait_for
 from worker.brokers.kafka import KafkaConsumer, KafkaSettings
 from worker.delivery import Delivery
-from worker.settings import Settings
 
 pytestmark = pytest.mark.kafka
 
@@ -30,21 +29,16 @@ Commits = list[dict[int, int]]
 async def started(
     kafka: KafkaSettings, commits: Commits | None = None
 ) -> AsyncIterator[KafkaConsumer]:
-    broker = KafkaConsumer(Settings(), kafka)
-    await broker.start(prefetch=16)
-    if commits is not None:  # record every offset commit the adapter sends
-        real = broker._consumer.commit
+    async with consuming(kafka, prefetch=16) as broker:
+        if commits is not None:  # record every offset commit the adapter sends
+            real = broker._consumer.commit
 
-        async def commit(offsets: dict[Any, int]) -> None:
-            commits.append({tp.partition: o for tp, o in offsets.items()})
-            await real(offsets)
+            async def commit(offsets: dict[Any, int]) -> None:
+                commits.append({tp.partition: o for tp, o in offsets.items()})
+                await real(offsets)
 
-        broker._consumer.commit = commit
-    try:
+            broker._consumer.commit = commit
         yield broker
-    finally:
-        await broker.stop_receiving()
-        await broker.close()
 
 
 def keyed(keys: str, partition: int = 0) -> list[tuple[bytes, bytes, dict[str, str], int]]:
