@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from worker.errors import AlreadySettled, SettlementLost
+from worker.errors import AlreadySettled
 from worker.logs import scrub
 
 if TYPE_CHECKING:
@@ -15,9 +15,18 @@ InTransaction = Callable[["AsyncSession"], Awaitable[None]]
 
 
 class Settler(Protocol):
-    """How one broker settles a delivery; ``handle`` is the adapter's own object."""
+    """How one broker settles a delivery; ``handle`` is the adapter's own object.
+
+    Only :mod:`worker.settle` calls the four verbs. ``keep_alive`` and ``in_commit``
+    are the unit of work telling the adapter what it is doing with its deliveries.
+    """
 
     async def ack(self, handle: Any) -> None: ...
+
+    async def ack_many(self, handles: Sequence[Any]) -> list[Any]:
+        """Ack several deliveries at once (one frame where the broker allows it); returns
+        the handles whose ack was lost."""
+        ...
 
     async def nack(self, handle: Any, delay: float | None, counted: bool) -> None:
         """Give the message back. ``counted=False``: the message is not to blame (a
@@ -27,18 +36,33 @@ class Settler(Protocol):
 
     async def dead_letter(self, handle: Any, reason: str) -> None: ...
 
+    def keep_alive(self, handle: Any, seconds: float) -> None:
+        """The delivery's work starts a phase that may take ``seconds`` from now (an
+        attempt, a retry, a batch's fallback): a watchdog or a lock must allow that long."""
+        ...
+
+    async def in_commit(self, session: AsyncSession, handles: Sequence[Any]) -> None:
+        """Awaited with the session just before the worker commits the work of these
+        deliveries (all of them this settler's): the adapter's own writes that must
+        commit with it (Kafka: the offsets, with ``WORKER_KAFKA_OFFSETS=database``)."""
+        ...
+
 
 class Delivery:
     """One delivery of one message, settled exactly once.
 
     ``delivery_count`` is 1 on the first delivery, whatever the broker's own
     convention; ``message_id`` is the dedup key the adapter extracted (``None``
-    when the message carries none, which the pump dead-letters).
+    when the message carries none; intake refuses any id that is not a non-empty
+    string).
 
-    Two optional seams for adapters: ``group`` names the deliveries that may share
-    one batch transaction (Kafka: the partition; ``None``: any of the same type), and
-    ``in_transaction`` is awaited with the session before the pump commits a
-    handler's work for this delivery (Kafka: the offset, stored in that commit).
+    What an adapter says besides: ``suspect`` when the broker took the message back
+    from a consumer that never settled it (a process that died, a connection or lock
+    that was lost), so that an earlier delivery may have been running when that
+    consumer died; ``give_backs``, the uncounted give-backs the message has had so
+    far, carried across them by the adapter (a bound for the paths that spend no
+    count); ``group`` names deliveries that must run in order, one unit of work at a
+    time (Kafka: the partition; ``None``: no order).
     """
 
     __slots__ = (
@@ -46,11 +70,13 @@ class Delivery:
         "_settler",
         "body",
         "delivery_count",
+        "give_backs",
         "group",
         "headers",
         "in_transaction",
         "message_id",
         "settled",
+        "suspect",
         "type",
     )
 
@@ -63,6 +89,9 @@ class Delivery:
         delivery_count: int,
         settler: Settler,
         handle: Any,
+        *,
+        suspect: bool = False,
+        give_backs: int = 0,
     ) -> None:
         self.message_id = message_id
         self.type = type
@@ -71,6 +100,8 @@ class Delivery:
         self.delivery_count = delivery_count
         self._settler = settler
         self._handle = handle
+        self.suspect = suspect
+        self.give_backs = give_backs
         self.settled: str | None = None
         self.group: Hashable = None
         self.in_transaction: InTransaction | None = None
@@ -78,7 +109,7 @@ class Delivery:
     @property
     def redelivered(self) -> bool:
         """Only a redelivery can be a broker-made duplicate of work already done."""
-        return self.delivery_count > 1
+        return self.delivery_count > 1 or self.suspect
 
     def _claim(self, verb: str) -> None:
         if self.settled is not None:
@@ -103,6 +134,11 @@ class Delivery:
         self._claim("dead-lettered")
         await self._settler.dead_letter(self._handle, scrub(reason))
 
+    def keep_alive(self, seconds: float) -> None:
+        """This delivery's work starts a phase that may take ``seconds`` (see :class:`Settler`)."""
+        if self.settled is None:
+            self._settler.keep_alive(self._handle, seconds)
+
     def __repr__(self) -> str:
         return (
             f"<Delivery id={self.message_id!r} type={self.type!r} "
@@ -110,26 +146,27 @@ class Delivery:
         )
 
 
-async def ack_many(deliveries: Sequence[Delivery]) -> list[Delivery]:
-    """Ack deliveries of one settler; returns the ones whose ack was lost.
+def _by_settler(deliveries: Sequence[Delivery]) -> dict[int, tuple[Settler, list[Delivery]]]:
+    groups: dict[int, tuple[Settler, list[Delivery]]] = {}
+    for delivery in deliveries:
+        settler = delivery._settler
+        groups.setdefault(id(settler), (settler, []))[1].append(delivery)
+    return groups
 
-    An adapter may offer ``ack_many(handles) -> lost handles`` (RabbitMQ: one
-    ``basic.ack(multiple=True)`` where that is safe); without it they are acked one by one.
-    """
+
+async def ack_many(deliveries: Sequence[Delivery]) -> list[Delivery]:
+    """Ack deliveries together, one call per settler; returns the ones whose ack was lost."""
     for delivery in deliveries:
         delivery._claim("acked")
-    if not deliveries:
-        return []
-    settler = deliveries[0]._settler
-    bulk = getattr(settler, "ack_many", None)
-    if bulk is not None and all(d._settler is settler for d in deliveries):
-        by_handle = {id(d._handle): d for d in deliveries}
-        lost_handles = await bulk([d._handle for d in deliveries])
-        return [by_handle[id(h)] for h in lost_handles]
-    lost = []
-    for delivery in deliveries:
-        try:
-            await delivery._settler.ack(delivery._handle)
-        except SettlementLost:
-            lost.append(delivery)
+    lost: list[Delivery] = []
+    for settler, members in _by_settler(deliveries).values():
+        by_handle = {id(d._handle): d for d in members}
+        lost_handles = await settler.ack_many([d._handle for d in members])
+        lost.extend(by_handle[id(h)] for h in lost_handles)
     return lost
+
+
+async def in_commit(session: AsyncSession, deliveries: Sequence[Delivery]) -> None:
+    """The adapters' own writes for these deliveries, in the transaction about to commit."""
+    for settler, members in _by_settler(deliveries).values():
+        await settler.in_commit(session, [d._handle for d in members])

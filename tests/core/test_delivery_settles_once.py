@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -35,6 +36,17 @@ class RecordingSettler:
         self.calls.append(("dead_letter", handle, reason))
         if self.fail is not None:
             raise self.fail
+
+    async def ack_many(self, handles: Sequence[Any]) -> list[Any]:
+        for handle in handles:
+            await self.ack(handle)
+        return []
+
+    def keep_alive(self, handle: Any, seconds: float) -> None:
+        self.calls.append(("keep_alive", handle, seconds))
+
+    async def in_commit(self, session: Any, handles: Sequence[Any]) -> None:
+        return None
 
 
 def delivery(settler: RecordingSettler, count: int = 1) -> Delivery:

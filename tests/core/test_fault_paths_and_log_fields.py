@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import MutableMapping
+from collections.abc import MutableMapping, Sequence
 from typing import Any
 
 import pytest
@@ -106,6 +106,17 @@ class Faulty:
 
     async def dead_letter(self, handle: Delivery, reason: str) -> None:
         await handle.dead_letter(reason)
+
+    async def ack_many(self, handles: Sequence[Delivery]) -> list[Delivery]:
+        for handle in handles:
+            await self.ack(handle)
+        return []
+
+    def keep_alive(self, handle: Delivery, seconds: float) -> None:
+        handle.keep_alive(seconds)
+
+    async def in_commit(self, session: Any, handles: Sequence[Delivery]) -> None:
+        return None
 
 
 # -- (a) a double settlement is a bug, never a lost settlement ------------------------------------

@@ -8,7 +8,9 @@ import contextlib
 import shutil
 import signal
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from tests.support.credits import credit_registry
 from tests.support.pumps import engine_for
@@ -52,6 +54,24 @@ class SwallowsOneCancel:
 
     async def close(self) -> None:
         await self.inner.close()
+
+    async def ack(self, handle: Any) -> None:
+        await self.inner.ack(handle)
+
+    async def ack_many(self, handles: Sequence[Any]) -> list[Any]:
+        return await self.inner.ack_many(handles)
+
+    async def nack(self, handle: Any, delay: float | None, counted: bool) -> None:
+        await self.inner.nack(handle, delay, counted)
+
+    async def dead_letter(self, handle: Any, reason: str) -> None:
+        await self.inner.dead_letter(handle, reason)
+
+    def keep_alive(self, handle: Any, seconds: float) -> None:
+        self.inner.keep_alive(handle, seconds)
+
+    async def in_commit(self, session: Any, handles: Sequence[Any]) -> None:
+        await self.inner.in_commit(session, handles)
 
 
 async def test_a_signal_while_the_broker_starts_stops_the_pump_even_if_the_cancel_is_lost(

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
+from worker.delivery import Settler
 from worker.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -21,8 +22,8 @@ if TYPE_CHECKING:
     from worker.settings import Settings
 
 
-class Broker(Protocol):
-    """What the pump needs from a transport."""
+class Broker(Settler, Protocol):
+    """What the pump needs from a transport: deliveries in, and their settlement verbs."""
 
     name: str
     destination: str

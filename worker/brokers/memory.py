@@ -46,6 +46,8 @@ class MemoryMessage:
     headers: dict[str, Any] = field(default_factory=dict)
     delivery_count: int = 0
     lose_acks: int = 0
+    returned: bool = False  # taken back from a consumer that never settled it
+    give_backs: int = 0  # uncounted give-backs so far
 
 
 @dataclass(slots=True)
@@ -76,6 +78,8 @@ class _Flight:
             message.delivery_count,
             consumer,
             self,
+            suspect=message.returned,
+            give_backs=message.give_backs,
         )
 
 
@@ -222,6 +226,7 @@ class MemoryBroker:
         if flight.live:
             self._count(flight.consumer, "lock_expired")
             self._end(flight)
+            flight.message.returned = True
             self._requeue(flight.message, 0.0)
 
     def _requeue(self, message: MemoryMessage, delay: float) -> None:
@@ -243,6 +248,7 @@ class MemoryBroker:
         """A consumer vanished: every message it held unsettled is offered again."""
         for flight in list(consumer.unsettled):
             self._end(flight)
+            flight.message.returned = True
             self._requeue(flight.message, 0.0)
         self._dispatch()
 
@@ -328,13 +334,26 @@ class MemoryConsumer:
                 lost.append(handle)
         return lost
 
+    def keep_alive(self, handle: _Flight, seconds: float) -> None:
+        """With a visibility timeout, the lock is extended to ``seconds`` from now."""
+        if handle.timer is not None and handle.live:
+            handle.timer.cancel()
+            loop = asyncio.get_running_loop()
+            timeout = max(seconds, self.broker.visibility_timeout or 0.0)
+            handle.timer = loop.call_later(timeout, self.broker._expire, handle)
+
+    async def in_commit(self, session: Any, handles: Sequence[_Flight]) -> None:
+        """Nothing of the memory broker commits with the handler's transaction."""
+
     async def nack(self, handle: _Flight, delay: float | None, counted: bool = True) -> None:
         broker = self.broker
         broker._end(handle)
         broker.history.append(("nack", handle.message.message_id, handle.message.delivery_count))
         broker._count(self, "nacked")
+        handle.message.returned = False  # settled by a consumer: whoever gets it next knows
         if not counted:  # the next hand-over adds one back: the count stays where it is
             handle.message.delivery_count -= 1
+            handle.message.give_backs += 1
             broker._count(self, "nacked_uncounted")
         broker._requeue(handle.message, broker.redelivery_delay if delay is None else delay)
         broker._dispatch()

@@ -445,7 +445,10 @@ class KafkaConsumer:
         body = record.value or b""
         if partition.windowed:
             self._offer(partition)  # records of other keys, or the rest of a batch, may go at once
-        delivery = Delivery(message_id, message_type, body, headers, attempt, self, handle)
+        suspect = record.offset <= partition.suspect_through  # a dead owner may have started it
+        delivery = Delivery(
+            message_id, message_type, body, headers, attempt, self, handle, suspect=suspect
+        )
         delivery.group = (record.topic, record.partition)  # batches stay within a partition
         if self._database:
             delivery.in_transaction = _Store(self, handle)
@@ -483,6 +486,27 @@ class KafkaConsumer:
         self._out.pop(handle, None)
         self._require_owned(handle, "ack")
         self._settled(handle)
+
+    async def ack_many(self, handles: Sequence[Handle]) -> list[Handle]:
+        """Offsets settle one record at a time; the lost ones (revoked partitions)."""
+        lost = []
+        for handle in handles:
+            try:
+                await self.ack(handle)
+            except SettlementLost:
+                lost.append(handle)
+        return lost
+
+    def keep_alive(self, handle: Handle, seconds: float) -> None:
+        """The watchdog allows the record ``seconds`` more, plus its margin."""
+        if handle in self._out:
+            self._out[handle] = time.monotonic() + seconds + self.kafka.watchdog_margin
+
+    async def in_commit(self, session: AsyncSession, handles: Sequence[Handle]) -> None:
+        """Database offsets: the offset past these records, in the handler's transaction."""
+        if self._database:
+            for handle in handles:
+                await self._store_in(handle, session)
 
     async def nack(self, handle: Handle, delay: float | None, counted: bool = True) -> None:
         self._out.pop(handle, None)

@@ -46,6 +46,7 @@ from worker.brokers.rabbitmq.messages import (
     _copy,
     delivery_count,
     message_type,
+    returned,
 )
 from worker.brokers.rabbitmq.settings import (
     _LOST,
@@ -221,6 +222,7 @@ class RabbitMQConsumer:
             count,
             self,
             handle,
+            suspect=returned(message),
         )
         self._buffer.put_nowait((handle, delivery))
 
@@ -328,6 +330,12 @@ class RabbitMQConsumer:
                 except SettlementLost:
                     lost.append(handle)
         return lost
+
+    def keep_alive(self, handle: _Handle, seconds: float) -> None:
+        """Nothing to extend: an unacked delivery stays ours while the channel lives."""
+
+    async def in_commit(self, session: Any, handles: Sequence[_Handle]) -> None:
+        """Nothing of RabbitMQ's commits with the handler's transaction."""
 
     async def nack(self, handle: _Handle, delay: float | None, counted: bool = True) -> None:
         # Always a confirmed copy, never ``basic.nack(requeue=True)``: the copy carries

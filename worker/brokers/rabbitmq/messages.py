@@ -101,6 +101,13 @@ def delivery_count(message: AbstractIncomingMessage) -> int:
     return before + inside + 1
 
 
+def returned(message: AbstractIncomingMessage) -> bool:
+    """RabbitMQ took the message back from a consumer that never settled it (a process
+    that died, a lost connection): the worker's own give-backs are fresh copies."""
+    headers = message.headers or {}
+    return bool(message.redelivered) or _int(headers.get("x-delivery-count")) > 0
+
+
 def _int(value: Any) -> int:
     try:
         return max(int(value), 0)

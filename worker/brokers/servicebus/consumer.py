@@ -44,7 +44,7 @@ import asyncio
 import functools
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from azure.servicebus import ServiceBusMessage, ServiceBusReceivedMessage, ServiceBusReceiveMode
@@ -389,6 +389,9 @@ class ServiceBusConsumer:
             count,
             self,
             handle,
+            # abandoned, or its lock expired in a consumer that never settled it: Service
+            # Bus tells the two apart by nothing, so either may have been running there
+            suspect=(message.delivery_count or 0) > 0,
         )
         self._inbox.put_nowait((handle, delivery))
 
@@ -556,6 +559,22 @@ class ServiceBusConsumer:
             await self._finish(handle)
             raise SettlementLost(f"message {handle.message_id!r}: not completed, {handle.lost}")
         await self._settle(handle, "complete", handle.link.receiver.complete_message)
+
+    async def ack_many(self, handles: Sequence[_Lock]) -> list[_Lock]:
+        """Service Bus completes one message per call: each on its own; the lost ones."""
+        lost = []
+        for handle in handles:
+            try:
+                await self.ack(handle)
+            except SettlementLost:
+                lost.append(handle)
+        return lost
+
+    def keep_alive(self, handle: _Lock, seconds: float) -> None:
+        """The lock renewer keeps the lock for WORKER_SERVICEBUS_MAX_LOCK_RENEWAL already."""
+
+    async def in_commit(self, session: Any, handles: Sequence[_Lock]) -> None:
+        """Nothing of Service Bus commits with the handler's transaction."""
 
     async def nack(self, handle: _Lock, delay: float | None, counted: bool = True) -> None:
         self._refuse_reclaimed(handle, "abandoned")
