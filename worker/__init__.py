@@ -7,6 +7,7 @@ This module is the handler author's whole API: ``handlers/`` imports only from h
 
 from worker.claims import ClaimContext, side_effect
 from worker.concurrency import Policy, guarded_delete, guarded_update, save
+from worker.context import BatchContext, Context
 from worker.db import Base, insert_ignoring_conflicts
 from worker.errors import (
     ConfigurationError,
@@ -17,12 +18,13 @@ from worker.errors import (
     Retry,
     RowDeleted,
 )
-from worker.registry import Context, Registry, handler, registry
+from worker.registry import Registry, handler, registry
 from worker.settings import handler_settings
 from worker.settings import load as load_settings
 
 __all__ = [
     "Base",
+    "BatchContext",
     "ClaimContext",
     "ConfigurationError",
     "Context",

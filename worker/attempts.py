@@ -1,19 +1,23 @@
-"""Delivery counts kept in the database, for brokers that keep none across a crash.
+"""Delivery counts kept in the database: attempts that started, not deliveries returned.
 
-Kafka counts nothing, and a RabbitMQ classic queue only flags a redelivery; an
-adapter that counts in memory starts again at 1 after a restart. A message that
-kills the process (out of memory, a segfault in a C extension) would then run
-for ever. With ``WORKER_DELIVERY_COUNTS=database`` the pump calls :func:`count`
-before the handlers run: one upsert, in its own short transaction (autocommit,
-one round trip), so the count is durable before anything that may crash starts.
+A broker counts returns: every delivery a dead process held comes back counted,
+whether it was running or only prefetched, parked behind a key or waiting in a batch
+bucket. Kafka counts nothing at all, and an adapter that counts in memory starts
+again at 1 after a restart. With ``WORKER_DELIVERY_COUNTS=database`` (the default)
+the worker counts instead what actually started: :func:`count` runs when a
+redelivery's unit of work starts (never while it is only held), one upsert in its
+own short transaction (autocommit, one round trip), so the count is durable before
+anything that may crash starts. A message that kills the process is therefore
+bounded, and the deliveries it took down with it spend nothing for the time they
+were only held.
 
-Only a delivery that may be a redelivery pays for it (``delivery.redelivered``:
-the broker said so, or the adapter suspects it, as Kafka does for records just
-after an assignment); ``WORKER_COUNT_FIRST_DELIVERIES=true`` counts every one,
-for brokers that may lose even the redelivered flag. The first delivery of a
-message is therefore normally not in the table: a row says "counted deliveries
-after the first", and the count a delivery carries is that plus one, never less
-than what the broker itself reported.
+Only a redelivery pays for it (``delivery.redelivered``: the broker's count says
+so, or the adapter suspects it); a first delivery costs nothing extra.
+``WORKER_COUNT_FIRST_DELIVERIES=true`` counts every start, first ones included, at
+one round trip per message: then even a first delivery that was only held when its
+process died starts again at 1. Without it a row says "started deliveries after the
+first", and the count a delivery carries is that plus one (its first delivery is
+taken to have started).
 
 A failure to count is not the message's fault: the delivery keeps the broker's
 count and goes on (its own transaction meets the same database trouble and the
@@ -48,7 +52,6 @@ if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
     from worker.delivery import Delivery
-    from worker.registry import Handler
     from worker.settings import Settings
 
 
@@ -98,26 +101,24 @@ def wanted(delivery: Delivery, settings: Settings) -> bool:
     return delivery.redelivered or settings.count_first_deliveries
 
 
-async def count(
-    engine: AsyncEngine,
-    delivery: Delivery,
-    handlers: tuple[Handler[Any], ...],
-    settings: Settings,
-) -> None:
-    """Count this delivery durably and raise ``delivery.delivery_count`` to the stored count.
+async def count(engine: AsyncEngine, delivery: Delivery, consumer: str, settings: Settings) -> bool:
+    """Count this start durably and set ``delivery.delivery_count`` to the started count;
+    True when the row moved (so an uncounted give-back of this delivery refunds it).
 
-    The row is scoped by the first handler's consumer name, as its inbox marker is:
-    two deployments consuming the same message ids from one database count apart.
+    The row is scoped by the consumer name of the type's first handler, as its inbox
+    marker is: two deployments consuming the same message ids from one database count
+    apart. The broker's own count is not used: it counts returns, and a delivery that
+    was only held when its process died has not failed.
     """
-    if delivery.message_id is None or not handlers or not wanted(delivery, settings):
-        return
+    if delivery.message_id is None or not wanted(delivery, settings):
+        return False
     statement = _UPSERTS.get(engine.dialect.name)
     if statement is None:
-        return
+        return False
     first = 0 if settings.count_first_deliveries else 1  # the uncounted first delivery
     try:
         result = await _autocommitted(
-            engine, statement, {"message_id": delivery.message_id, "consumer": handlers[0].consumer}
+            engine, statement, {"message_id": delivery.message_id, "consumer": consumer}
         )
         stored = result.scalar_one()
     except Exception as exc:  # not the message's fault: keep the broker's count
@@ -127,8 +128,28 @@ async def count(
             delivery_count=delivery.delivery_count,
             error=exc,
         )
-        return
-    delivery.delivery_count = max(delivery.delivery_count, int(stored) + first)
+        return False
+    delivery.delivery_count = int(stored) + first
+    return True
+
+
+_STORED = select(_table.c.deliveries).where(
+    _table.c.message_id == bindparam("m"), _table.c.consumer == bindparam("c")
+)
+
+
+async def started_before(engine: AsyncEngine, delivery: Delivery, consumer: str) -> bool:
+    """Whether a start of this message after its first was already recorded: a suspect that
+    was started as a redelivery before and came back unsettled again (read only; the start
+    it is about to have is counted by :func:`count` when it starts). A failed read says yes:
+    running alone is the safe side."""
+    try:
+        async with engine.connect() as connection:
+            found = await connection.execute(_STORED, {"m": delivery.message_id, "c": consumer})
+            stored = found.scalar()
+    except Exception:
+        return True
+    return bool(stored and stored > 0)
 
 
 _REFUND = (
@@ -142,23 +163,20 @@ _REFUND = (
 )
 
 
-async def refund(
-    engine: AsyncEngine, delivery: Delivery, handlers: tuple[Handler[Any], ...]
-) -> None:
-    """Take back this delivery's count: it goes back uncounted (a shutdown, a pause, a
-    conflict lost to another writer), and only a message's own failure may spend one.
+async def refund(engine: AsyncEngine, delivery: Delivery, consumer: str) -> None:
+    """Take back the start :func:`count` recorded: the delivery goes back uncounted (a
+    shutdown, a pause, a conflict lost to another writer), and only a message's own
+    failure may spend one. Only a start that was counted is refunded.
 
     Called before the give-back, so a crash in between costs nothing either. A crash
     before it, the case the count is for, never refunds. If the database cannot be
     reached, the count stays spent: one delivery, logged.
     """
-    if delivery.message_id is None or not handlers:
+    if delivery.message_id is None:
         return
     try:
         await _autocommitted(
-            engine,
-            _REFUND,
-            {"refunded_id": delivery.message_id, "refunded_consumer": handlers[0].consumer},
+            engine, _REFUND, {"refunded_id": delivery.message_id, "refunded_consumer": consumer}
         )
     except Exception as exc:
         get_logger().warning(

@@ -1,60 +1,65 @@
-"""Batch mode: many deliveries of one message type, one transaction, still exactly once.
+"""The batch runner: one handler over many deliveries of one type, in one transaction.
 
-With ``WORKER_BATCH_SIZE`` > 1 the pump runs this instead of one delivery per worker.
-One intake task takes deliveries from the broker and sorts them into buckets by
-(message type, ``delivery.group``), in receive order; a bucket is released to the
-workers when it is full or its oldest delivery has waited ``WORKER_BATCH_WAIT``.
-For each handler of the type, a batch is one transaction::
+With ``WORKER_BATCH_SIZE`` > 1, intake (:mod:`worker.intake`) fills buckets and
+hands a full or ripe one out as one unit of work; for each handler of its type this
+runner makes it one transaction::
 
-    fresh session -> one multi-row marker insert (reports the new ids)
-        -> ordinary handler: one SAVEPOINT per new message
+    fresh session -> [keyed: the keys' advisory locks] -> one multi-row marker insert
+        -> ordinary handler: one SAVEPOINT per new message, in arrival order
            batch handler: one call with every new message
-        -> every committed delivery's in_transaction hook -> one commit
+        -> the adapter's writes for the committed messages -> one commit
 
-then each delivery is settled on its own, as the per-message table in
-:mod:`worker.pump` says. What may not share a transaction never does:
+A bucket holds each key it has (a key belongs to one open batch at a time), so
+same-key deliveries run in their batch one after another, each in its own savepoint
+on the batch's session: the ORM's identity map hands the second credit the row the
+first one changed, with no conflict and no second read. Batches running at the same
+time hold disjoint keys and never wait on each other's row locks.
 
-- the same id twice in one batch: one runs, the other is acked as its duplicate
-  once the first is done (or runs on its own when the first was not);
+What may not share a transaction never does:
+
+- the same id twice in one batch: intake makes the second a twin of the first,
+  acked as its duplicate once the first is done (or run on its own when it was not);
 - a message whose savepoint fails on its own (an exception, a business unique
   violation, ``Poison``): its writes and its marker are rolled back, the rest commit;
 - a savepoint that lost to another writer (version conflict, deadlock, a marker in
-  progress elsewhere, a rejection to record): run again on its own after the commit;
+  progress elsewhere, a rejection to record): deferred, it runs again on its own
+  after the commit;
 - a failed batch handler, a failed flush or commit, a lost connection: a whole-
   transaction failure. Contention and connection loss retry the batch once; then,
   as for every other such failure, each message runs on its own through the
-  per-message path, spending no delivery count of a message that did nothing wrong.
+  transaction runner, spending no delivery count of a message that did nothing wrong.
 
-Side-effect claims and keyed handlers never share a transaction: their types, and
-deliveries that need the per-message path's care (no id, undecodable, past
-WORKER_MAX_DELIVERIES, counted in the database by WORKER_DELIVERY_COUNTS=database),
-run one at a time.
+Each phase (the transaction, its retry, each message of the fallback) tells the
+adapter how long it may take (``Delivery.keep_alive``), so a watchdog follows what
+the batch is doing.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections import deque
-from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ValidationError
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from worker import attempts, inbox, metrics
-from worker.db import HANDLER_RUNNING, Failure, HandlerRun, classify, discard
-from worker.delivery import Delivery, ack_many
-from worker.errors import AlreadySettled, HandlerTimeout, Rejected, StatementSwallowed
-from worker.judge import refused_value
-from worker.registry import BatchContext, Context, Handler
+from worker import inbox
+from worker.calling import call_handler
+from worker.context import BatchContext, Context
+from worker.db import Failure, discard
+from worker.delivery import in_commit
+from worker.errors import HandlerTimeout, Rejected
+from worker.judge import cause_of, failure_of, refused_value
 from worker.retry import backoff
-from worker.verdict import COMMITTED, DUPLICATE, PAUSED, UNEXPECTED, Outcome, Verb, Verdict
+from worker.verdict import COMMITTED, DUPLICATE, PAUSED, Verdict
 
 if TYPE_CHECKING:
+    from collections import Counter
+
     from worker.db import PumpSession
-    from worker.pump import Pump
+    from worker.endings import Endings
+    from worker.registry import Handler
+    from worker.transaction import TransactionRunner
+    from worker.work import Item, Stage
 
 _RETRIED = (Failure.TRANSIENT, Failure.CONFLICT, Failure.CONNECTION)
 """Whole-transaction failures worth one more try of the same batch."""
@@ -73,27 +78,13 @@ _BOUND_LOCKS = text(
     "SELECT previous.value, set_config('lock_timeout', :t, true) FROM previous"
 )
 _RESTORE_LOCKS = text("SELECT set_config('lock_timeout', :t, true)")
-
-BatchKey = tuple[str | None, Hashable]
-
-
-class _Item:
-    """One delivery in a batch: its decoded messages and where its handlers left it."""
-
-    __slots__ = ("consumer", "decoded", "deferred", "delivery", "twins", "verdict")
-
-    def __init__(self, delivery: Delivery, decoded: dict[type[BaseModel], BaseModel]) -> None:
-        self.delivery = delivery
-        self.decoded = decoded
-        self.verdict = COMMITTED
-        self.consumer: str | None = None
-        self.twins: list[Delivery] = []  # later deliveries of the same id in this batch
-        self.deferred = False  # lost to another writer: runs on its own after the batch
-
-    @property
-    def message_id(self) -> str:
-        assert self.delivery.message_id is not None
-        return self.delivery.message_id
+# PostgreSQL, keyed handlers: the batch's keys, locked in one order (by their hash, as
+# every process computes it), so two processes' batches sharing keys queue, never deadlock.
+_LOCK_KEYS = text(
+    "SELECT count(pg_advisory_xact_lock(h)) FROM (SELECT DISTINCT "
+    "hashtextextended('worker-key:' || k, 0) AS h FROM unnest(CAST(:keys AS text[])) AS k "
+    "ORDER BY h OFFSET 0) AS ordered"
+)
 
 
 class _Defer(Exception):
@@ -101,316 +92,157 @@ class _Defer(Exception):
 
 
 class BatchRunner:
-    """The batch-mode intake and workers of one :class:`~worker.pump.Pump`.
+    """One handler over a batch's items: a transaction, once more on contention, else
+    each on its own through the transaction runner."""
 
-    A part of the pump in a module of its own: it shares the pump's state (held and
-    idle deliveries, sessions, health) and its per-message path, and changes neither.
-    """
+    def __init__(
+        self,
+        sessions: async_sessionmaker[Any],
+        endings: Endings,
+        single: TransactionRunner,
+        stats: Counter[str],
+        *,
+        postgres: bool,
+    ) -> None:
+        self.endings = endings
+        self.judge = endings.judge
+        self.single = single
+        self.stats = stats
+        self._sessions = sessions
+        self._postgres = postgres
+        settings = endings.judge.settings
+        self._timeout = settings.handler_timeout
+        self._backoff = (settings.retry_backoff, settings.retry_backoff_max)
 
-    def __init__(self, pump: Pump) -> None:
-        self.pump = pump
-        self.size = pump.settings.batch_size
-        self.wait = pump.settings.batch_wait
-        self._postgres = pump.engine.dialect.name == "postgresql"
-        self._buckets: dict[BatchKey, tuple[float, deque[Delivery]]] = {}
-        # released batches, and whether they are (False: one delivery, the per-message path)
-        self._ready: asyncio.Queue[tuple[list[Delivery], bool]] = asyncio.Queue()
-        # per delivery group: released batches waiting behind the one running for the group
-        self._lanes: dict[Hashable, deque[tuple[list[Delivery], bool]]] = {}
-        self._batchable = {
-            message_type: all(h.batchable for h in pump.registry.for_type(message_type))
-            for message_type in pump.registry.message_types
-        }
-
-    # -- intake -------------------------------------------------------------------
-
-    def key(self, delivery: Delivery) -> BatchKey | None:
-        """The bucket a delivery may share a batch in, or None: it runs on its own."""
-        if not self._batchable.get(delivery.type or "", False):
-            return None
-        message_id = delivery.message_id
-        if message_id is None or len(message_id) > inbox.MESSAGE_ID_LENGTH:
-            return None
-        settings = self.pump.settings
-        if delivery.delivery_count > settings.max_deliveries:
-            return None
-        if attempts.wanted(delivery, settings):  # counted in the database, by the pump's path
-            return None
-        if delivery.redelivered:  # a suspect (it may have killed its last batch): alone
-            return None
-        return delivery.type, delivery.group
-
-    async def intake(self) -> None:
-        """Receive, sort into buckets, release full or ripe ones; the only broker reader."""
-        pump = self.pump
-        while not pump._stop.is_set():
-            await pump.health.wait_available()
-            self._release_ripe(time.monotonic())
-            timeout = self._next_deadline()
-            try:
-                async with asyncio.timeout(timeout):
-                    delivery = await pump.broker.receive()
-            except TimeoutError:
-                continue
-            except Exception as exc:  # an adapter bug must not silently stop the intake
-                pump._log.error("receive failed", error=exc)
-                await asyncio.sleep(1.0)
-                continue
-            pump._held.add(delivery)
-            key = self.key(delivery)
-            if key is None:
-                self._ready.put_nowait(([delivery], False))
-                continue
-            bucket = self._buckets.get(key)
-            if bucket is None:
-                bucket = self._buckets[key] = (time.monotonic() + self.wait, deque())
-            bucket[1].append(delivery)
-            if len(bucket[1]) >= self.size:
-                del self._buckets[key]
-                self._ready.put_nowait((list(bucket[1]), True))
-
-    def _next_deadline(self) -> float | None:
-        if not self._buckets:
-            return None
-        earliest = min(deadline for deadline, _ in self._buckets.values())
-        return max(0.0, earliest - time.monotonic())
-
-    def _release_ripe(self, now: float) -> None:
-        for key in [k for k, (deadline, _) in self._buckets.items() if deadline <= now]:
-            _, deliveries = self._buckets.pop(key)
-            self._ready.put_nowait((list(deliveries), True))
-
-    async def work(self) -> None:
-        """One worker: take a released batch, run it, settle every delivery in it.
-
-        Work of one delivery group (a Kafka partition) runs one batch at a time, in
-        release order: a batch released while its group's previous one still runs
-        waits in the group's lane, and this worker moves on.
-        """
-        pump = self.pump
-        task = asyncio.current_task()
-        assert task is not None
-        while not pump._stop.is_set():
-            pump._idle.add(task)
-            released = await self._ready.get()
-            pump._idle.discard(task)  # from here on, shutdown waits for this batch
-            group = released[0][0].group
-            if group is None:
-                await self._run_released(released)
-                continue
-            lane = self._lanes.get(group)
-            if lane is not None:  # the group is busy: its worker runs this one next
-                lane.append(released)
-                continue
-            lane = self._lanes[group] = deque()
-            try:
-                await self._run_released(released)
-                while lane:
-                    if pump._stop.is_set():  # what still waits is given back by the pump
-                        break
-                    await self._run_released(lane.popleft())
-            finally:
-                del self._lanes[group]
-
-    async def _run_released(self, released: tuple[list[Delivery], bool]) -> None:
-        deliveries, batchable = released
-        pump = self.pump
-        if not pump.health.available:  # hold the batch while the database is away
-            await pump.health.wait_available()
-        if batchable:  # a batch of one too: the same path whatever the load
-            await self._guarded(deliveries)
-        else:
-            await pump._one(deliveries[0])
-
-    # -- one batch ----------------------------------------------------------------
-
-    async def _guarded(self, deliveries: list[Delivery]) -> None:
-        """Run one batch; whatever goes wrong, each delivery ends settled or logged loudly."""
-        pump = self.pump
-        pump.in_flight += len(deliveries)
-        try:
-            await self._run(deliveries)
-        except AlreadySettled as exc:  # a bug in the pump or an adapter: never a success
-            pump.stats["settled-twice"] += 1
-            pump._log.error("bug: delivery settled twice", outcome="settled-twice", error=exc)
-        except Exception:  # the pump must outlive any bug in a handler or adapter
-            pump._log.exception("unexpected error in a batch", attempt=0, outcome="nacked")
-            for delivery in deliveries:
-                if delivery.settled is None:
-                    await pump._settle_guarded(delivery, UNEXPECTED)
-        finally:
-            pump.in_flight -= len(deliveries)
-            for delivery in deliveries:
-                if delivery.settled is not None:
-                    pump._held.discard(delivery)
-
-    async def _run(self, deliveries: list[Delivery]) -> None:
-        items, singles = self._prepare(deliveries)
-        handlers = self.pump.registry.for_type(deliveries[0].type)
-        stores = {item: item.delivery.in_transaction for item in items}
-        live = items
-        for handler in handlers:
-            # the adapter's part (Kafka: the offset) goes with the last handler's commit
-            for item in live:
-                item.delivery.in_transaction = stores[item] if handler is handlers[-1] else None
-            await self._stage(handler, live)
-            live = [item for item in live if item.verdict.verb is Verb.ACK and not item.deferred]
-            if not live:
-                break
-        for item, store in stores.items():
-            item.delivery.in_transaction = store
-        await self._settle([item for item in items if not item.deferred])
-        # then, each on its own: messages that lost to another writer inside the batch (their
-        # earlier handlers' markers make those duplicates), their twins, undecodable ones
-        for item in items:
-            if item.deferred:
-                singles = [item.delivery, *item.twins, *singles]
-        for delivery in singles:
-            if delivery.settled is None:
-                await self.pump._one(delivery)
-
-    def _prepare(self, deliveries: list[Delivery]) -> tuple[list[_Item], list[Delivery]]:
-        """Decode each delivery once per model; set twins and undecodable ones aside."""
-        handlers = self.pump.registry.for_type(deliveries[0].type)
-        items: dict[str, _Item] = {}
-        singles: list[Delivery] = []
-        for delivery in deliveries:
-            assert delivery.message_id is not None
-            first = items.get(delivery.message_id)
-            if first is not None:
-                first.twins.append(delivery)
-                continue
-            decoded: dict[type[BaseModel], BaseModel] = {}
-            try:
-                for handler in handlers:
-                    if handler.model not in decoded:
-                        decoded[handler.model] = handler.model.model_validate_json(delivery.body)
-            except ValidationError:
-                singles.append(delivery)  # the per-message path dead-letters it, with the reason
-                continue
-            items[delivery.message_id] = _Item(delivery, decoded)
-        return list(items.values()), singles
-
-    async def _stage(self, handler: Handler[Any], items: list[_Item]) -> None:
-        """One handler over the batch: a transaction, once more on contention, else one by one."""
-        pump = self.pump
-        started = time.perf_counter()
+    async def run(self, stage: Stage) -> list[Verdict]:
+        handler, items = stage.handler, stage.items
         for attempt in (1, 2):
+            self._keep_alive(items, self._timeout)
             try:
-                deferred = await self._transaction(handler, items, attempt)
+                return await self._transaction(stage, attempt)
             except Exception as exc:
-                failure = classify(_cause(exc))
-                if failure is Failure.CONNECTION and not await pump.health.confirm():
-                    for item in items:
-                        item.verdict, item.consumer = PAUSED, handler.consumer
-                    return
-                if attempt == 1 and failure in _RETRIED:
-                    pump.stats["batch-retried"] += 1
-                    pump._log.info(
+                failed = failure_of(exc)
+                if failed is Failure.CONNECTION and not await self.endings.health.confirm():
+                    return [PAUSED for _ in items]
+                if failed.environment:
+                    await self.endings.health.pause_for(failed, cause_of(exc))
+                    return [PAUSED for _ in items]
+                if attempt == 1 and failed in _RETRIED:
+                    self.stats["batch-retried"] += 1
+                    self.judge.log.info(
                         "batch retrying",
                         consumer=handler.consumer,
                         size=len(items),
-                        failure=failure.value,
+                        failure=failed.value,
                         error=exc,
                     )
-                    settings = pump.settings
-                    await asyncio.sleep(
-                        backoff(1, settings.retry_backoff, settings.retry_backoff_max)
-                    )
+                    await asyncio.sleep(backoff(1, *self._backoff))
                     continue
-                pump.stats["batch-fallback"] += 1
-                pump._log.warning(
+                self.stats["batch-fallback"] += 1
+                self.judge.log.warning(
                     "batch failed, one message at a time",
                     consumer=handler.consumer,
                     size=len(items),
                     attempt=attempt,
-                    failure=failure.value,
+                    failure=failed.value,
                     error=exc,
                 )
-                await self._one_by_one(handler, items)
-                return
-            break
-        elapsed = (time.perf_counter() - started) / max(len(items), 1)
-        for _ in items:
-            metrics.observe_handler(handler.consumer, elapsed)
-        for item in deferred:
-            item.deferred = True
+                break
+        return await self._one_by_one(stage)
 
-    async def _one_by_one(self, handler: Handler[Any], items: list[_Item]) -> None:
-        """The per-message path, for each item on its own (batch handlers get a list of one)."""
-        for item in items:
-            item.verdict = await self.pump._consume_observed(
-                item.delivery, handler, item.decoded[handler.model]
+    def _keep_alive(self, items: list[Item], seconds: float | None) -> None:
+        if seconds is not None:
+            for item in items:
+                item.delivery.keep_alive(seconds)
+
+    async def _one_by_one(self, stage: Stage) -> list[Verdict]:
+        """The transaction runner, for each item on its own (batch handlers get a list of one)."""
+        verdicts = []
+        for index, item in enumerate(stage.items):
+            self._keep_alive(stage.items[index:], self._timeout)
+            verdicts.append(
+                await self.single.one(
+                    item.delivery, stage.handler, item.message(stage.handler), stage.last
+                )
             )
-            item.consumer = handler.consumer
+        return verdicts
 
-    async def _transaction(
-        self, handler: Handler[Any], items: list[_Item], attempt: int
-    ) -> list[_Item]:
-        """One transaction for ``handler`` over ``items``; returns the items to run on their own.
+    async def _transaction(self, stage: Stage, attempt: int) -> list[Verdict]:
+        """One transaction for the stage's handler over its items; a verdict per item.
 
         Raises on a whole-transaction failure, leaving every item's verdict to the caller.
         """
-        pump = self.pump
-        session: PumpSession = pump._sessions()
-        spent = True
-        timeout = pump.settings.handler_timeout
+        handler, items = stage.handler, stage.items
+        session: PumpSession = self._sessions()
         try:
             try:
-                async with asyncio.timeout(timeout):
-                    verdicts, deferred = await self._body(session, handler, items, attempt)
+                async with asyncio.timeout(self._timeout):
+                    verdicts = await self._body(session, stage, attempt)
             except TimeoutError as exc:
                 raise HandlerTimeout(
-                    f"batch of {len(items)} ran longer than WORKER_HANDLER_TIMEOUT={timeout}s"
+                    f"batch of {len(items)} ran longer than WORKER_HANDLER_TIMEOUT={self._timeout}s"
                 ) from exc
+            committed = [
+                item.delivery
+                for item, verdict in zip(items, verdicts, strict=True)
+                if verdict is COMMITTED and not item.deferred
+            ]
+            if stage.last and committed:
+                await in_commit(session, committed)
             await AsyncSession.commit(session)
-            spent = False
-        finally:
-            if spent:
-                await discard(session)
-        for item, verdict in verdicts.items():
-            item.verdict, item.consumer = verdict, handler.consumer
-            self._tally(item, handler.consumer, attempt)
-        return deferred
+        except BaseException:
+            await discard(session)
+            for item in items:
+                item.deferred = False
+            raise
+        self.judge.committed(handler.consumer)
+        for item, verdict in zip(items, verdicts, strict=True):
+            if item.deferred or (verdict is not COMMITTED and verdict is not DUPLICATE):
+                continue  # a failed savepoint was noted when it was judged
+            if verdict is DUPLICATE:
+                self.stats["duplicates-batch"] += 1
+            self.judge.note(item.delivery, handler.consumer, attempt, verdict.outcome.value)
+        return verdicts
 
-    async def _body(
-        self, session: PumpSession, handler: Handler[Any], items: list[_Item], attempt: int
-    ) -> tuple[dict[_Item, Verdict], list[_Item]]:
+    async def _body(self, session: PumpSession, stage: Stage, attempt: int) -> list[Verdict]:
+        handler, items = stage.handler, stage.items
         consumer = handler.consumer
+        if self._postgres and handler.key is not None:
+            keys = sorted({str(item.key) for item in items if item.key is not None})
+            if keys:
+                await session.execute(_LOCK_KEYS, {"keys": keys})
         if handler.inbox:  # first deliveries only (a redelivery runs alone): they may wait
             new = await inbox.mark_many(session, [item.message_id for item in items], consumer)
         else:
             new = {item.message_id for item in items}
+        verdicts: dict[int, Verdict] = {
+            id(item): DUPLICATE for item in items if item.message_id not in new
+        }
         fresh = [item for item in items if item.message_id in new]
-        verdicts = {item: DUPLICATE for item in items if item.message_id not in new}
-        deferred: list[_Item] = []
         if handler.batch is not None:
             await self._call_batch(session, handler, fresh, attempt)
-            verdicts.update((item, COMMITTED) for item in fresh)
+            verdicts.update((id(item), COMMITTED) for item in fresh)
         elif fresh:
             previous = None
             if self._postgres:
                 previous = (await session.execute(_BOUND_LOCKS, {"t": _ROW_LOCK_WAIT})).one()[0]
             for item in fresh:
                 try:
-                    verdicts[item] = await self._savepoint(session, handler, item, attempt)
+                    verdicts[id(item)] = await self._savepoint(session, handler, item, attempt)
                 except _Defer:
-                    deferred.append(item)
+                    item.deferred = True
+                    verdicts[id(item)] = COMMITTED  # a placeholder: it runs again on its own
                     if handler.inbox:
                         await inbox.unmark(session, item.message_id, consumer)
                     continue
-                if verdicts[item] is not COMMITTED and handler.inbox:
+                if verdicts[id(item)] is not COMMITTED and handler.inbox:
                     await inbox.unmark(session, item.message_id, consumer)
             if previous is not None:
                 await session.execute(_RESTORE_LOCKS, {"t": previous})
-        for item in fresh:
-            hook = item.delivery.in_transaction
-            if hook is not None and verdicts.get(item) is COMMITTED:
-                await hook(session)
-        return verdicts, deferred
+        return [verdicts[id(item)] for item in items]
 
     async def _call_batch(
-        self, session: PumpSession, handler: Handler[Any], items: list[_Item], attempt: int
+        self, session: PumpSession, handler: Handler[Any], items: list[Item], attempt: int
     ) -> None:
         if not items:
             return
@@ -423,17 +255,11 @@ class BatchRunner:
             [item.delivery.delivery_count for item in items],
             [item.delivery.headers for item in items],
         )
-        messages = [item.decoded[handler.model] for item in items]
-        run = HandlerRun()
-        running = HANDLER_RUNNING.set(run)
-        try:
-            await handler.batch(context, messages)
-        finally:
-            HANDLER_RUNNING.reset(running)
-        run.refuse_swallowed()
+        messages = [item.message(handler) for item in items]
+        await call_handler(handler.batch(context, messages), None, "batch handler")
 
     async def _savepoint(
-        self, session: PumpSession, handler: Handler[Any], item: _Item, attempt: int
+        self, session: PumpSession, handler: Handler[Any], item: Item, attempt: int
     ) -> Verdict:
         """An ordinary handler on one message inside a SAVEPOINT: its failure stays its own."""
         delivery = item.delivery
@@ -447,13 +273,7 @@ class BatchRunner:
         )
         nested = await session.begin_nested()
         try:
-            run = HandlerRun()
-            running = HANDLER_RUNNING.set(run)
-            try:
-                await handler.func(context, item.decoded[handler.model])
-            finally:
-                HANDLER_RUNNING.reset(running)
-            run.refuse_swallowed()
+            await call_handler(handler.func(context, item.message(handler)), None)
             await nested.commit()  # flushes: a version conflict surfaces here, as its own
         except Exception as exc:
             # after a failed flush too (the savepoint is then inactive, not yet rolled back);
@@ -462,84 +282,23 @@ class BatchRunner:
             return self._judge(item, handler, attempt, exc)
         return COMMITTED
 
-    def _judge(self, item: _Item, handler: Handler[Any], attempt: int, exc: Exception) -> Verdict:
+    def _judge(self, item: Item, handler: Handler[Any], attempt: int, exc: Exception) -> Verdict:
         """A savepoint's failure: a verdict for this message alone, or _Defer, or re-raised."""
         consumer = handler.consumer
-        judge = self.pump.judge
+        judge = self.judge
         verdict = judge.requested(item.delivery, consumer, attempt, exc)
         if verdict is not None:
             return verdict
         if isinstance(exc, Rejected):
-            raise _Defer from exc  # recorded by the per-message path, with its marker
-        cause = _cause(exc)
-        failure = classify(cause)
-        if failure is Failure.DUPLICATE:  # not the batch's marker: the handler's own insert
-            failure = Failure.ERROR
-        if failure in _DEFERRED:
-            self.pump.stats["batch-deferred"] += 1
+            raise _Defer from exc  # recorded by the transaction runner, with its marker
+        failed = failure_of(exc)
+        if failed is Failure.DUPLICATE:  # not the batch's marker: the handler's own insert
+            failed = Failure.ERROR
+        if failed in _DEFERRED:
+            self.stats["batch-deferred"] += 1
             raise _Defer from exc
-        if failure in _WHOLE:
+        if failed in _WHOLE or failed.environment:
             raise exc
-        if failure is Failure.DATA:
-            return refused_value(consumer, cause, attempt)
-        verdict = judge.failed(item.delivery, consumer, attempt, cause)
-        return Verdict(
-            verdict.verb, verdict.outcome, verdict.reason, verdict.delay, attempt=attempt
-        )
-
-    def _tally(self, item: _Item, consumer: str, attempt: int) -> None:
-        pump = self.pump
-        outcome = item.verdict.outcome
-        pump.outcomes[consumer, outcome] += 1
-        if outcome is Outcome.COMMITTED or outcome is Outcome.DUPLICATE:
-            if outcome is Outcome.DUPLICATE:
-                pump.stats["duplicates-batch"] += 1
-            pump.judge.note(item.delivery, consumer, attempt, outcome.value)
-
-    # -- settlement ---------------------------------------------------------------
-
-    async def _settle(self, items: list[_Item]) -> None:
-        """Each delivery on its own verdict; the acks together, in one call where possible."""
-        pump = self.pump
-        acks: list[tuple[Delivery, str | None]] = []
-        for item in items:
-            if item.verdict.verb is Verb.ACK:
-                acks.append((item.delivery, item.consumer))
-                for twin in item.twins:
-                    pump.stats["duplicates-in-batch"] += 1
-                    pump.outcomes[item.consumer or "", Outcome.DUPLICATE] += 1
-                    pump.judge.note(twin, item.consumer or "", 0, "duplicate", twin=True)
-                    acks.append((twin, item.consumer))
-            else:
-                await pump._settle(item.delivery, item.verdict, item.consumer)
-        await self._ack([delivery for delivery, _ in acks], dict(acks))
-        for item in items:  # the first copy failed: each twin tries on its own
-            if item.verdict.verb is not Verb.ACK:
-                for twin in item.twins:
-                    await pump._one(twin)
-
-    async def _ack(
-        self, deliveries: Sequence[Delivery], consumers: dict[Delivery, str | None]
-    ) -> None:
-        if not deliveries:
-            return
-        pump = self.pump
-        lost = set(await ack_many(deliveries))
-        pump.stats["ack"] += len(deliveries) - len(lost)
-        for delivery in lost:
-            pump.stats["settlement-lost"] += 1
-            pump._log.warning(
-                "settlement lost, broker will redeliver",
-                message_id=delivery.message_id,
-                consumer=consumers.get(delivery),
-                attempt=0,
-                verb=Verb.ACK,
-                outcome="settlement-lost",
-            )
-
-
-def _cause(exc: Exception) -> Exception:
-    """The database error behind a swallowed statement, else the exception itself."""
-    if isinstance(exc, StatementSwallowed) and isinstance(exc.__cause__, Exception):
-        return exc.__cause__
-    return exc
+        if failed is Failure.DATA:
+            return refused_value(consumer, cause_of(exc), attempt)
+        return judge.failed(item.delivery, consumer, attempt, cause_of(exc))

@@ -585,17 +585,29 @@ async def _serve(settings: Settings) -> int:
 
 
 def assemble(settings: Settings, broker: Broker, engine: AsyncEngine, handlers: Registry) -> Pump:
-    """The pump with its optional features wired in: tracing (WORKER_TRACING) and the
-    Prometheus export of its tallies. The pump itself knows neither switch."""
+    """The pump with its optional features wired in as middleware: handler timing, tracing
+    (WORKER_TRACING), and the Prometheus export of its tallies. The pump knows none of them."""
     from worker import metrics
+    from worker.middleware import StageMiddleware, Timing, WorkMiddleware
     from worker.pump import Pump
 
-    tracing = None
+    around_work: list[WorkMiddleware] = []
+    around_stage: list[StageMiddleware] = [Timing()]
     if settings.tracing:
         from worker.tracing import Tracing
 
         tracing = Tracing(broker, engine)
-    pump = Pump(broker, engine, handlers, settings, name="worker", tracing=tracing)
+        around_work.append(tracing)
+        around_stage.append(tracing.stages)
+    pump = Pump(
+        broker,
+        engine,
+        handlers,
+        settings,
+        name="worker",
+        middleware=around_work,
+        stage_middleware=around_stage,
+    )
     metrics.track(pump)
     return pump
 

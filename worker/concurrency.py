@@ -63,7 +63,7 @@ from worker.logs import get_logger
 from worker.retry import backoff
 
 if TYPE_CHECKING:
-    from worker.registry import Context
+    from worker.context import Context
 
 stats: Counter[str] = Counter()
 """Conflicts met and how they ended (for metrics): by :func:`save`, the bulk guards and
@@ -199,7 +199,7 @@ class _Row:
         self.version_key = mapper.get_property_by_column(self.version_col).key
         self.pk_cols = list(mapper.primary_key)
         self.pk = state.identity
-        self.subject = f"{self.table.name}:{_format_pk(self.pk)}"
+        self.subject = f"{self.table.name}:{format_pk(self.pk)}"
         pk_keys = {mapper.get_property_by_column(c).key for c in self.pk_cols}
         self.columns = {
             prop.key: prop.columns[0]
@@ -269,7 +269,7 @@ def _as_int(token: Any) -> int | None:
     return token if isinstance(token, int) else None
 
 
-def _format_pk(pk: Any) -> str:
+def format_pk(pk: Any) -> str:
     return str(pk[0]) if len(pk) == 1 else ",".join(map(str, pk))
 
 
@@ -329,7 +329,7 @@ async def guarded_delete(ctx: Context, model: type[Any], tokens: Mapping[Any, An
     return await _bulk(ctx, table, pk_cols, keys, statement)
 
 
-def _keys_in(pk_cols: list[Any], keys: list[tuple[Any, ...]]) -> ColumnElement[bool]:
+def keys_in(pk_cols: list[Any], keys: list[tuple[Any, ...]]) -> ColumnElement[bool]:
     if len(pk_cols) == 1:
         return cast(ColumnElement[bool], pk_cols[0].in_([key[0] for key in keys]))
     return or_(*(and_(*(c == v for c, v in zip(pk_cols, key, strict=True))) for key in keys))
@@ -379,7 +379,7 @@ async def _bulk(
         if len(affected) == len(keys):
             return len(affected)
         missed = [key for key, _ in keys if key not in affected]
-        present = await session.execute(select(*pk_cols).where(_keys_in(pk_cols, missed)))
+        present = await session.execute(select(*pk_cols).where(keys_in(pk_cols, missed)))
     found = {tuple(row) for row in present.all()}
     deleted = [key for key in missed if key not in found]
     stats["bulk-conflict"] += 1
@@ -394,13 +394,15 @@ async def _bulk(
         affected=len(affected),
         deleted=len(deleted),
     )
-    raise BulkConflict(
+    text = (
         f"{table.name}: {len(affected)} of {len(keys)} rows still had their token "
-        f"({len(missed) - len(deleted)} changed, {len(deleted)} deleted)",
-        expected=len(keys),
-        affected=len(affected),
-        deleted=deleted,
+        f"({len(missed) - len(deleted)} changed, {len(deleted)} deleted)"
     )
+    if deleted:
+        # a row that is gone does not come back on a retry: a rejection, recorded and acked
+        subject = f"{table.name}:{format_pk(deleted[0])}"
+        raise RowDeleted(text, subject=subject, detail=f"deleted: {len(deleted)} rows")
+    raise BulkConflict(text, expected=len(keys), affected=len(affected), deleted=deleted)
 
 
 # -- server-side tokens -------------------------------------------------------------------
@@ -480,7 +482,7 @@ def check_version_tokens(dialect: str, bases: Iterable[type[DeclarativeBase]] = 
 
 # -- changed or deleted: what the pump's database-wins retry needs to tell them apart ---
 
-_WRITTEN = "worker.versioned_writes"
+WRITTEN = "worker.versioned_writes"
 
 
 def _remember_versioned(_mapper: Mapper[Any], _connection: Any, target: Any) -> None:
@@ -491,4 +493,4 @@ def _remember_versioned(_mapper: Mapper[Any], _connection: Any, target: Any) -> 
     """
     session = object_session(target)
     if session is not None:
-        session.info.setdefault(_WRITTEN, []).append(target)
+        session.info.setdefault(WRITTEN, []).append(target)

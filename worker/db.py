@@ -31,10 +31,14 @@ _SQLITE_CONSTRAINT_UNIQUE = 2067
 _SQLITE_INBOX_COLUMNS = "UNIQUE constraint failed: inbox.message_id, inbox.consumer"
 _RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})  # serialization failure, deadlock
 # "The database cannot serve you now": pause and probe, never blame the message.
-# 08 connection exception, 53 insufficient resources (53300 too many connections),
-# 28 invalid authorization (a rotated password), 3D000 no such database.
-_UNAVAILABLE_SQLSTATE_CLASSES = ("08", "53", "28")
-_UNAVAILABLE_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "3D000"})
+# 08 connection exception, 28 invalid authorization (a rotated password), 53300 too many
+# connections, 3D000 no such database, 57P0x the server shutting down or starting.
+_UNAVAILABLE_SQLSTATE_CLASSES = ("08", "28")
+_UNAVAILABLE_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "3D000", "53300"})
+_READ_ONLY = "25006"  # read_only_sql_transaction: a standby after a failover, maintenance
+_PRIVILEGE = "42501"  # insufficient_privilege: a GRANT a migration forgot
+_RESOURCES = "53"  # insufficient resources: disk full (53100), out of memory (53200), ...
+_QUERY_CANCELED = "57014"  # statement_timeout; contention when it tripped in a lock wait
 # 42P01 undefined table, 42703 undefined column, 42883 undefined function: the schema is
 # older than the code (a rollout ahead of its migration). Not the message's fault.
 _SCHEMA_SQLSTATES = frozenset({"42P01", "42703", "42883"})
@@ -235,7 +239,18 @@ class Failure(enum.Enum):
     SCHEMA = "schema"  # a table or column the code needs is missing: not migrated yet
     LOCKED = "locked"  # lock_timeout on the marker: the same message is in progress elsewhere
     DATA = "data"  # a value the database refuses deterministically (SQLSTATE class 22)
+    READ_ONLY = "read-only"  # the database takes no writes now (a standby, a read-only file)
+    PRIVILEGE = "privilege"  # a privilege the worker's role lacks (a forgotten GRANT)
+    RESOURCES = "resources"  # the server is out of disk or memory
     ERROR = "error"  # anything else, including other integrity errors
+
+    @property
+    def environment(self) -> bool:
+        """The database cannot serve anyone now: never the message's failure."""
+        return self in _ENVIRONMENT
+
+
+_ENVIRONMENT = frozenset({Failure.READ_ONLY, Failure.PRIVILEGE, Failure.RESOURCES})
 
 
 def classify(exc: BaseException) -> Failure:
@@ -250,7 +265,7 @@ def classify(exc: BaseException) -> Failure:
             return Failure.CONNECTION
         code = sqlstate(exc)
         if code is not None:
-            return _classify_sqlstate(code)
+            return _classify_sqlstate(code, exc)
         if _is_os_error(exc.orig):
             return Failure.CONNECTION
         if isinstance(exc.orig, sqlite3.OperationalError):
@@ -268,7 +283,9 @@ def classify(exc: BaseException) -> Failure:
     return Failure.ERROR
 
 
-def _classify_sqlstate(code: str) -> Failure:
+def _classify_sqlstate(code: str, exc: DBAPIError) -> Failure:
+    if code == _QUERY_CANCELED:
+        return Failure.TRANSIENT if _in_lock_wait(exc) else Failure.ERROR
     if code in _RETRYABLE_SQLSTATES:
         return Failure.TRANSIENT
     if _unavailable(code):
@@ -279,7 +296,21 @@ def _classify_sqlstate(code: str) -> Failure:
         return Failure.LOCKED
     if code.startswith("22"):
         return Failure.DATA
+    if code == _READ_ONLY:
+        return Failure.READ_ONLY
+    if code == _PRIVILEGE:
+        return Failure.PRIVILEGE
+    if code.startswith(_RESOURCES):
+        return Failure.RESOURCES
     return Failure.ERROR
+
+
+def _in_lock_wait(exc: DBAPIError) -> bool:
+    """A statement timeout that tripped while waiting for a row or table lock another
+    session holds (PostgreSQL says so in the error's context): contention, not a slow query."""
+    cause = getattr(exc.orig, "__cause__", None) or exc.orig
+    context = str(getattr(cause, "context", "") or "")
+    return context.startswith("while ") and ("locking" in context or "tuple" in context)
 
 
 def from_database(exc: BaseException) -> bool:
@@ -322,6 +353,10 @@ def _is_os_error(orig: BaseException | None) -> bool:
 
 def _classify_sqlite(orig: sqlite3.OperationalError) -> Failure:
     message = str(orig)
+    if "readonly database" in message:
+        return Failure.READ_ONLY
+    if "database or disk is full" in message:
+        return Failure.RESOURCES
     if "locked" in message or "busy" in message:
         return Failure.TRANSIENT
     if message.startswith(("no such table", "no such column")):

@@ -31,12 +31,13 @@ from sqlalchemy import Column, Integer, MetaData, Numeric, String, Table, func, 
 from handlers.credit import Account, CreditRequested, apply_credit, apply_credit_and_announce
 from worker import outbox
 from worker.brokers.memory import MemoryBroker, MemoryPublisher
+from worker.context import Context
 from worker.db import create_engine
 from worker.errors import Poison
 from worker.inbox import InboxMarker
 from worker.migrate import upgrade
 from worker.pump import Pump
-from worker.registry import Context, Registry
+from worker.registry import Registry
 from worker.settings import Settings
 
 ACCOUNTS = 5

@@ -1,27 +1,105 @@
-"""Database health: pause intake during an outage instead of failing every message."""
+"""Database health: pause intake while the database cannot serve anyone, and probe it.
+
+A database that is down, read-only, out of disk or refusing a privilege is the
+environment's fault, never a message's (DESIGN: "the environment's faults are not
+the message's"). The runner that meets such a failure gives its delivery back
+uncounted and closes this gate; intake takes nothing while it is closed, so an
+outage of minutes neither marches messages into the dead-letter queue nor logs one
+traceback each. Each kind of trouble is probed with a check that can tell it is over:
+
+=================  ===============================================================
+trouble            the probe that reopens the gate
+=================  ===============================================================
+unreachable        a ping (``SELECT 1``) answers
+read-only          the server takes writes again (PostgreSQL: not in recovery and
+                   ``transaction_read_only`` off; SQLite: a write lock can be taken)
+privilege          the role holds again a privilege it lacked on the table the
+                   error named (``has_table_privilege``)
+out of resources   time: the gate reopens after a wait that doubles with each pause
+                   of an episode (1 s to 30 s); the next failure closes it again
+=================  ===============================================================
+"""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from worker.db import ping
+from worker.db import Failure, ping
 
 _PING_TIMEOUT = 5.0
+_EPISODE = 120.0  # a pause this long after the last one starts a new episode
+_PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE")
+_DENIED_TABLE = re.compile(r"permission denied for (?:table|relation) \"?([\w.]+)\"?")
+
+Probe = Callable[[AsyncEngine], Awaitable[bool]]
+"""True once the trouble is over."""
+
+
+async def _reachable(engine: AsyncEngine) -> bool:
+    await ping(engine)
+    return True
+
+
+async def _writable(engine: AsyncEngine) -> bool:
+    async with engine.connect() as connection:
+        if connection.dialect.name == "postgresql":
+            row = await connection.execute(
+                text(
+                    "SELECT pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on'"
+                )
+            )
+            return not row.scalar()
+        return await _sqlite_write_lock(connection)
+
+
+async def _sqlite_write_lock(connection: AsyncConnection) -> bool:
+    """An UPDATE that changes nothing still takes SQLite's write lock, which a read-only
+    file refuses; rolled back, it leaves nothing behind."""
+    transaction = await connection.begin()
+    try:
+        await connection.execute(text("UPDATE inbox SET id = id WHERE id < 0"))
+    except Exception:
+        return False
+    finally:
+        await transaction.rollback()
+    return True
+
+
+def _privileges(table: str, missing: frozenset[str]) -> Probe:
+    async def granted(engine: AsyncEngine) -> bool:
+        async with engine.connect() as connection:
+            for privilege in missing:
+                held = await connection.execute(
+                    text("SELECT has_table_privilege(:t, :p)"), {"t": table, "p": privilege}
+                )
+                if held.scalar():
+                    return True
+        return False
+
+    return granted
+
+
+async def _missing_privileges(engine: AsyncEngine, table: str) -> frozenset[str]:
+    async with engine.connect() as connection:
+        missing = set()
+        for privilege in _PRIVILEGES:
+            held = await connection.execute(
+                text("SELECT has_table_privilege(:t, :p)"), {"t": table, "p": privilege}
+            )
+            if not held.scalar():
+                missing.add(privilege)
+    return frozenset(missing)
 
 
 class DatabaseHealth:
-    """A gate the pump waits on before it takes a delivery.
-
-    After a connection error the pump asks :meth:`confirm`. One ping decides:
-    the database answers (a dropped connection; retry the attempt) or it does
-    not (close the gate, log once, probe with backoff until it answers). While
-    the gate is closed no delivery is taken, so an outage of minutes neither
-    marches messages into the dead-letter queue nor logs one traceback each.
-    """
+    """A gate intake waits on before it takes a delivery, and the probe that reopens it."""
 
     def __init__(self, engine: AsyncEngine, log: Any, backoff_max: float = 5.0) -> None:
         self._engine = engine
@@ -31,8 +109,8 @@ class DatabaseHealth:
         self._open.set()
         self._lock = asyncio.Lock()
         self._probe: asyncio.Task[None] | None = None
-        self._schema_pauses = 0
-        self._last_schema_pause = 0.0
+        self._timed_pauses = 0
+        self._last_timed_pause = 0.0
         self.outages = 0
 
     @property
@@ -44,7 +122,7 @@ class DatabaseHealth:
             await self._open.wait()
 
     async def confirm(self) -> bool:
-        """True when the database answers now; otherwise pause the pump and say False."""
+        """True when the database answers now; otherwise pause intake and say False."""
         async with self._lock:
             if not self._open.is_set():
                 return False
@@ -53,50 +131,71 @@ class DatabaseHealth:
                     await ping(self._engine)
                 return True
             except Exception as exc:
-                self._pause(exc)
+                self._pause(exc, "database unavailable", _reachable)
                 return False
 
-    def pause_for_schema(self, exc: BaseException) -> None:
-        """A table or column the handlers need is missing: a rollout ahead of its migration.
+    async def pause_for(self, failure: Failure, exc: BaseException) -> None:
+        """Close the gate for an environment failure (``Failure.environment``)."""
+        async with self._lock:
+            if not self._open.is_set():
+                return
+            if failure is Failure.READ_ONLY:
+                self._pause(exc, "database is read-only", _writable)
+            elif failure is Failure.PRIVILEGE:
+                self._pause(exc, "database refuses a privilege", await self._privilege_probe(exc))
+            else:
+                self._pause(exc, "database is out of resources", None)
 
-        The database answers, so a ping cannot say when to resume; intake pauses for
-        a while (doubling on every schema pause in a row, up to 30 s) and tries again.
-        """
-        if not self._open.is_set():
-            return
+    async def _privilege_probe(self, exc: BaseException) -> Probe | None:
+        found = _DENIED_TABLE.search(str(exc))
+        if found is None or self._engine.dialect.name != "postgresql":
+            return None
+        try:
+            async with asyncio.timeout(_PING_TIMEOUT):
+                missing = await _missing_privileges(self._engine, found.group(1))
+        except Exception:
+            return None
+        return _privileges(found.group(1), missing) if missing else None
+
+    def _timed_wait(self) -> float:
         now = time.monotonic()
-        if now - self._last_schema_pause > 120.0:  # a new episode starts short again
-            self._schema_pauses = 0
-        self._last_schema_pause = now
-        self._schema_pauses += 1
-        wait = min(0.5 * 2 ** (self._schema_pauses - 1), 30.0)
-        self._pause(exc, first_probe=wait, what="database schema is behind the code")
+        if now - self._last_timed_pause > _EPISODE:
+            self._timed_pauses = 0
+        self._last_timed_pause = now
+        self._timed_pauses += 1
+        return min(2.0 ** (self._timed_pauses - 1), 30.0)
 
-    def _pause(
-        self, exc: BaseException, first_probe: float = 0.1, what: str = "database unavailable"
-    ) -> None:
+    def _pause(self, exc: BaseException, what: str, probe: Probe | None) -> None:
+        # nothing can tell when it is over: reopen after a wait, and the next failure says
+        first = 0.1 if probe is not None else self._timed_wait()
         self.outages += 1
         self._open.clear()
-        self._log.warning(f"{what}, pausing intake", error=exc)
+        self._log.warning(f"{what}, pausing intake", error=exc, probe_after_s=first)
         self._probe = asyncio.create_task(
-            self._probe_until_available(time.monotonic(), first_probe)
+            self._probe_until_available(time.monotonic(), first, probe, what)
         )
 
-    async def _probe_until_available(self, since: float, delay: float) -> None:
+    async def _probe_until_available(
+        self, since: float, delay: float, probe: Probe | None, what: str
+    ) -> None:
         while True:
             await asyncio.sleep(delay)
+            if probe is None:
+                break
             try:
                 async with asyncio.timeout(_PING_TIMEOUT):
-                    await ping(self._engine)
+                    if await probe(self._engine):
+                        break
+                self._log.debug("database probe: not yet", trouble=what, next_probe_s=delay)
             except Exception as exc:
                 self._log.debug("database probe failed", error=exc, next_probe_s=delay)
-                delay = min(max(delay, 0.1) * 2, self._backoff_max)
-                continue
-            self._open.set()
-            self._log.info(
-                "database available, resuming", outage_s=round(time.monotonic() - since, 2)
-            )
-            return
+            delay = min(max(delay, 0.1) * 2, self._backoff_max)
+        self._open.set()
+        self._log.info(
+            "database available, resuming",
+            trouble=what,
+            outage_s=round(time.monotonic() - since, 2),
+        )
 
     async def close(self) -> None:
         if self._probe is not None and not self._probe.done():

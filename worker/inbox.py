@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     BigInteger,
@@ -29,6 +29,10 @@ from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
 
 from worker.db import INBOX_CONSTRAINT, Base
+
+CLAIMED, FINISHED, ABANDONED = "claimed", "finished", "abandoned"
+"""A marker's ``state``: a regular marker is finished the moment it commits; a side
+effect's claim is claimed until its call is recorded (worker.leases)."""
 
 MESSAGE_ID_LENGTH = 255
 """Longer dedup keys cannot be stored: the pump dead-letters such a message at once."""
@@ -77,8 +81,8 @@ class InboxMarker(Base):
     body: Mapped[bytes | None] = mapped_column(LargeBinary)
 
 
-_table = InboxMarker.__table__
-assert isinstance(_table, Table)
+TABLE = cast(Table, InboxMarker.__table__)
+_table = TABLE
 
 
 class _Statement:

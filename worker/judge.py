@@ -1,24 +1,23 @@
-"""What an attempt's end means, for every runner: the failure class decides the verdict.
+"""The judge: how a failed attempt ends, for every runner. Exception in, verdict out.
 
-A transaction, a claim and a batch fail in the same vocabulary (a database error
+A transaction, a claim and a batch fail in one vocabulary (a database error
 classified by :func:`worker.db.classify`, a handler's ``Poison`` or ``Retry``, a
-business rejection), so one :class:`Judge` turns each into a
-:class:`~worker.verdict.Verdict`, counts it and logs it with the message id,
-consumer and attempt. The runners keep only their own loops.
+business rejection), so one :class:`Judge` names each ending, counts it and logs it
+with the message id, consumer and attempt. It awaits nothing: what needs the
+database (telling a deleted row from a changed one, recording a rejection, pinging,
+pausing) is the runners' to do, and the judge is told the answer. An
+:class:`Again` says "retry on a fresh session after this delay".
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
-
-from worker.db import Failure, classify, discard
-from worker.errors import Poison, Rejected, Retry, StatementSwallowed
-from worker.rejections import deleted_row, record_rejection
+from worker.db import Failure, classify
+from worker.errors import Poison, Retry, StatementSwallowed
 from worker.retry import backoff
 from worker.verdict import (
     DUPLICATE,
@@ -31,20 +30,19 @@ from worker.verdict import (
 )
 
 if TYPE_CHECKING:
-    from pydantic import BaseModel
-
     from worker.delivery import Delivery
-    from worker.health import DatabaseHealth
-    from worker.registry import Handler
     from worker.settings import Settings
 
+_SCHEMA_PROOF = 60.0
+"""A consumer that committed this recently has the schema it needs: a table that one of
+its messages misses is that message's failure (a handler branch naming a missing table)."""
 
-class Runner(Protocol):
-    """What the pump calls for each handler of a delivery (the handler names it: ``runs``)."""
 
-    async def run(self, delivery: Delivery, handler: Handler[Any], message: BaseModel) -> Verdict:
-        """Do the handler's work on the delivery; never raises for the message's own failures."""
-        ...
+@dataclass(frozen=True, slots=True)
+class Again:
+    """Not an ending: run the attempt again on a fresh session after ``delay`` seconds."""
+
+    delay: float
 
 
 def requested(consumer: str, exc: BaseException, attempt: int) -> Verdict | None:
@@ -63,22 +61,33 @@ def refused_value(consumer: str, exc: BaseException, attempt: int = 0) -> Verdic
     return Verdict(Verb.DEAD_LETTER, Outcome.POISON, reason, attempt=attempt)
 
 
+def cause_of(exc: BaseException) -> BaseException:
+    """The database error behind a swallowed statement, else the exception itself."""
+    if isinstance(exc, StatementSwallowed) and isinstance(exc.__cause__, Exception):
+        return exc.__cause__
+    return exc
+
+
+def failure_of(exc: BaseException) -> Failure:
+    """The failure class of an attempt's exception. A unique violation the handler
+    swallowed is its own insert's, never the marker's: an ordinary error."""
+    failed = classify(cause_of(exc))
+    if failed is Failure.DUPLICATE and isinstance(exc, StatementSwallowed):
+        return Failure.ERROR
+    return failed
+
+
 class Judge:
     """Verdicts for failed attempts, and the one place their tallies and log lines are made."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        sessions: async_sessionmaker[Any],
-        health: DatabaseHealth,
-        log: Any,
-        stats: Counter[str],
-    ) -> None:
+    def __init__(self, settings: Settings, log: Any, stats: Counter[str]) -> None:
         self.settings = settings
-        self.health = health
         self.log = log
         self.stats = stats
-        self._sessions = sessions
+        self._committed: dict[str, float] = {}  # consumer -> time.monotonic() of its last commit
+
+    def committed(self, consumer: str) -> None:
+        self._committed[consumer] = time.monotonic()
 
     def note(
         self, delivery: Delivery, consumer: str, attempt: int, outcome: str, **extra: Any
@@ -109,14 +118,16 @@ class Judge:
         return DUPLICATE
 
     def requested(
-        self, delivery: Delivery, consumer: str, attempt: int, exc: Exception
+        self, delivery: Delivery, consumer: str, attempt: int, exc: BaseException
     ) -> Verdict | None:
         verdict = requested(consumer, exc, attempt)
         if verdict is not None and verdict.outcome is Outcome.RETRY_REQUESTED:
             self.note(delivery, consumer, attempt, "retry-requested", reason=str(exc))
         return verdict
 
-    def failed(self, delivery: Delivery, consumer: str, attempt: int, exc: Exception) -> Verdict:
+    def failed(
+        self, delivery: Delivery, consumer: str, attempt: int, exc: BaseException
+    ) -> Verdict:
         """An ordinary exception: nack, or dead-letter on the last allowed delivery."""
         verdict = failure(consumer, exc, delivery.delivery_count, self.settings.max_deliveries)
         self.log.warning(
@@ -128,166 +139,87 @@ class Judge:
             outcome="dead-lettered" if verdict.verb is Verb.DEAD_LETTER else "nacked",
             exc_info=exc,
         )
-        return verdict
+        return Verdict(
+            verdict.verb, verdict.outcome, verdict.reason, verdict.delay, attempt=attempt
+        )
 
-    async def after_failure(
-        self,
-        delivery: Delivery,
-        handler: Handler[Any],
-        attempt: int,
-        deadline: float,
-        session: AsyncSession,
-        exc: Exception,
-    ) -> Verdict | None:
-        """Decide after a failed transaction: a verdict, or None after backing off to retry."""
-        consumer = handler.consumer
-        swallowed = isinstance(exc, StatementSwallowed)
-        cause = exc.__cause__ if swallowed and isinstance(exc.__cause__, Exception) else exc
-        failed = classify(cause)
-        if swallowed:
-            self.log.error(
-                "handler swallowed a database error",
-                message_id=delivery.message_id,
-                consumer=consumer,
-                attempt=attempt,
-                outcome="swallowed",
-                error=cause,
-                hint=str(exc),
-            )
-            if failed is Failure.DUPLICATE:  # not the pump's marker: the handler's own insert
-                failed = Failure.ERROR
-        final = await self._final(delivery, handler, attempt, session, cause, failed)
-        if final is not None:
-            return final
-        if failed is Failure.CONFLICT or failed is Failure.TRANSIENT:
-            return await self._contended(
-                delivery, consumer, attempt, deadline, session, failed, cause
-            )
-        if failed is Failure.ERROR:
-            return self.failed(delivery, consumer, attempt, exc)
-        verdict = await self.database_trouble(delivery, handler, attempt, cause, failed)
-        if verdict is not None:
-            return verdict
-        # a dropped connection, and the database answers: retry, a bounded number of times
-        if attempt >= self.settings.max_attempts:
-            self.note(delivery, consumer, attempt, "attempts-exhausted", error=cause)
-            return Verdict(Verb.NACK, Outcome.ATTEMPTS_EXHAUSTED, f"{failed.value}: {cause}")
-        self.stats[f"retried-{failed.value}"] += 1
-        await discard(session)
-        settings = self.settings
-        await asyncio.sleep(backoff(attempt, settings.retry_backoff, settings.retry_backoff_max))
-        return None
+    def swallowed(
+        self, delivery: Delivery, consumer: str, attempt: int, exc: StatementSwallowed
+    ) -> None:
+        self.log.error(
+            "handler swallowed a database error",
+            message_id=delivery.message_id,
+            consumer=consumer,
+            attempt=attempt,
+            outcome="swallowed",
+            error=cause_of(exc),
+            hint=str(exc),
+        )
 
-    async def database_trouble(
-        self,
-        delivery: Delivery,
-        handler: Handler[Any],
-        attempt: int,
-        exc: Exception,
-        failed: Failure | None = None,
-    ) -> Verdict | None:
-        """Not the message's fault: a verdict that spends no delivery, or None to retry."""
-        failed = classify(exc) if failed is None else failed
-        consumer = handler.consumer
-        if failed is Failure.LOCKED:
-            self.note(delivery, consumer, attempt, "in-progress", error=exc)
-            reason = "the same message is in progress elsewhere"
-            delay = self.settings.marker_lock_timeout
-            return Verdict(Verb.NACK, Outcome.IN_PROGRESS, reason, delay, counted=False)
-        if failed is Failure.SCHEMA:
-            self.health.pause_for_schema(exc)
-            self.note(delivery, consumer, attempt, "paused", error=exc)
-            reason = "schema behind the code"
-            return Verdict(Verb.NACK, Outcome.PAUSED, reason, GIVE_BACK_DELAY, counted=False)
-        if failed is Failure.CONNECTION:
-            if not await self.health.confirm():
-                self.note(delivery, consumer, attempt, "paused", error=exc)
-                return PAUSED
-            return None
-        if failed is Failure.DATA:
-            return refused_value(consumer, exc)
-        return None
-
-    async def _contended(
+    def decide(
         self,
         delivery: Delivery,
         consumer: str,
         attempt: int,
+        exc: BaseException,
+        failed: Failure,
+        *,
         deadline: float,
-        session: AsyncSession,
-        failed: Failure,
-        exc: Exception,
-    ) -> Verdict | None:
-        """Someone else committed first: retry on a fresh session until the budget is spent."""
+        answers: bool = True,
+    ) -> Verdict | Again:
+        """The ending of a failed attempt that raised no ``Poison``/``Retry`` and was no
+        rejection. ``deadline``: when the contention budget runs out (time.monotonic());
+        ``answers``: for a lost connection, whether the database answered a ping since."""
+        cause = cause_of(exc)
         settings = self.settings
-        pause = backoff(attempt, settings.retry_backoff, settings.retry_backoff_max)
-        if time.monotonic() + pause > deadline:
-            self.note(delivery, consumer, attempt, "attempts-exhausted", error=exc)
-            reason = f"{failed.value}: retry budget of {settings.retry_budget}s spent: {exc}"
-            return Verdict(
-                Verb.NACK, Outcome.ATTEMPTS_EXHAUSTED, reason, GIVE_BACK_DELAY, counted=False
-            )
-        self.stats[f"retried-{failed.value}"] += 1
-        self.note(delivery, consumer, attempt, "retrying", failure=failed.value)
-        # end the failed transaction before backing off: on PostgreSQL it may still hold
-        # the marker's key, which a replica racing for the same message would wait on
-        await discard(session)
-        await asyncio.sleep(pause)
-        return None
-
-    async def _final(
-        self,
-        delivery: Delivery,
-        handler: Handler[Any],
-        attempt: int,
-        session: AsyncSession,
-        exc: Exception,
-        failed: Failure,
-    ) -> Verdict | None:
-        """The errors that end a delivery without a retry: duplicate, rejected, row deleted."""
         if failed is Failure.DUPLICATE:
-            return self.duplicate(delivery, handler.consumer, attempt, "constraint")
-        rejected = exc if isinstance(exc, Rejected) else None
-        if rejected is None and failed is Failure.CONFLICT:  # changed, or gone?
-            # end the failed transaction first: it still holds the marker's key (on SQLite
-            # the write lock), which the lookup's fresh connection would wait on
-            await discard(session)
-            rejected = await deleted_row(session, exc, self._sessions)
-        if rejected is None:
-            return None
-        await discard(session)  # on PostgreSQL its marker would block the record's
-        return await self._rejected(delivery, handler, attempt, rejected)
-
-    async def _rejected(
-        self, delivery: Delivery, handler: Handler[Any], attempt: int, exc: Rejected
-    ) -> Verdict:
-        """Not applied and never retried: record it with the inbox marker, then ack."""
-        consumer = handler.consumer
-        assert delivery.message_id is not None
-        try:
-            recorded = await record_rejection(
-                self._sessions,
-                delivery.message_id,
-                consumer,
-                delivery.type,
-                exc,
-                with_marker=handler.inbox,
-            )
-        except Exception as error:
-            verdict = await self.database_trouble(delivery, handler, attempt, error)
-            return (
-                verdict if verdict is not None else self.failed(delivery, consumer, attempt, error)
-            )
-        if not recorded:
             return self.duplicate(delivery, consumer, attempt, "constraint")
-        self.note(
-            delivery,
-            consumer,
-            attempt,
-            exc.outcome,
-            reason=str(exc),
-            subject=exc.subject,
-            expected=exc.expected,
-            actual=exc.actual,
-        )
-        return Verdict(Verb.ACK, exc.outcome, str(exc))
+        if failed is Failure.CONFLICT or failed is Failure.TRANSIENT:
+            pause = backoff(attempt, settings.retry_backoff, settings.retry_backoff_max)
+            if time.monotonic() + pause > deadline:
+                self.note(delivery, consumer, attempt, "attempts-exhausted", error=cause)
+                reason = f"{failed.value}: retry budget of {settings.retry_budget}s spent: {cause}"
+                return _give_back(Outcome.ATTEMPTS_EXHAUSTED, reason, attempt)
+            self.stats[f"retried-{failed.value}"] += 1
+            self.note(delivery, consumer, attempt, "retrying", failure=failed.value)
+            return Again(pause)
+        if failed is Failure.LOCKED:
+            self.note(delivery, consumer, attempt, "in-progress", error=cause)
+            reason = "the same message is in progress elsewhere"
+            return _give_back(Outcome.IN_PROGRESS, reason, attempt, settings.marker_lock_timeout)
+        if failed is Failure.DATA:
+            return refused_value(consumer, cause, attempt)
+        if failed is Failure.SCHEMA:
+            return self._schema(delivery, consumer, attempt, exc)
+        if failed.environment or (failed is Failure.CONNECTION and not answers):
+            self.note(delivery, consumer, attempt, "paused", error=cause, trouble=failed.value)
+            return PAUSED
+        if failed is Failure.CONNECTION:  # dropped, and the database answers: a few more tries
+            if attempt >= settings.max_attempts:
+                self.note(delivery, consumer, attempt, "attempts-exhausted", error=cause)
+                reason = f"{failed.value}: {cause}"
+                return Verdict(Verb.NACK, Outcome.ATTEMPTS_EXHAUSTED, reason, attempt=attempt)
+            self.stats[f"retried-{failed.value}"] += 1
+            return Again(backoff(attempt, settings.retry_backoff, settings.retry_backoff_max))
+        return self.failed(delivery, consumer, attempt, exc)
+
+    def _schema(
+        self, delivery: Delivery, consumer: str, attempt: int, exc: BaseException
+    ) -> Verdict:
+        """A table or column missing. While this consumer commits other messages, the
+        schema is there and this message's branch names what is not: its own failure.
+        Otherwise the code is ahead of its migration: an uncounted, bounded give-back
+        (intake goes on with other types meanwhile; no pause of the whole pump)."""
+        cause = cause_of(exc)
+        last = self._committed.get(consumer)
+        if last is not None and time.monotonic() - last < _SCHEMA_PROOF:
+            return self.failed(delivery, consumer, attempt, exc)
+        self.note(delivery, consumer, attempt, "schema-behind", error=cause)
+        return _give_back(Outcome.SCHEMA_BEHIND, f"schema behind the code: {cause}", attempt)
+
+
+def _give_back(
+    outcome: Outcome, reason: str, attempt: int, delay: float = GIVE_BACK_DELAY
+) -> Verdict:
+    """Not the message's fault, but its own path: uncounted, and bounded by its give-backs."""
+    return Verdict(Verb.NACK, outcome, reason, delay, counted=False, attempt=attempt)

@@ -131,8 +131,10 @@ class Tallies(Protocol):
 
     stats: collections.Counter[str]
     outcomes: collections.Counter[tuple[str, str]]
-    in_flight: int
     consuming: bool
+
+    @property
+    def in_flight(self) -> int: ...
 
     @property
     def health(self) -> _Health: ...
@@ -331,8 +333,7 @@ async def read_inbox_health(
     """Three bounded queries: a capped count, one index probe, and the (few) claims."""
     from sqlalchemy import DateTime, Table, and_, case, func, literal, select, text
 
-    from worker.claims import ABANDONED, CLAIMED, FINISHED
-    from worker.inbox import InboxMarker
+    from worker.inbox import ABANDONED, CLAIMED, FINISHED, InboxMarker
 
     inbox = cast(Table, InboxMarker.__table__)
     c = inbox.c

@@ -72,7 +72,7 @@ from worker.logs import get_logger
 from worker.retry import backoff
 
 if TYPE_CHECKING:
-    from worker.registry import Context
+    from worker.context import Context
     from worker.settings import Settings
 
 PENDING, SENT, PARKED = "pending", "sent", "parked"

@@ -41,7 +41,7 @@ from sqlalchemy.orm import Mapped, Mapper, mapped_column
 from sqlalchemy.orm.exc import StaleDataError
 
 from worker import inbox
-from worker.concurrency import _WRITTEN, RowChanged, _format_pk, _keys_in, stats
+from worker.concurrency import WRITTEN, RowChanged, format_pk, keys_in, stats
 from worker.db import Base, is_inbox_violation
 from worker.errors import Rejected, RowDeleted
 
@@ -64,7 +64,7 @@ async def deleted_row(
     if match is None:
         return None
     loaded: dict[Mapper[Any], list[tuple[Any, ...]]] = {}
-    for target in session.info.get(_WRITTEN, ()):
+    for target in session.info.get(WRITTEN, ()):
         state = inspect(target)
         mapper = state.mapper
         if state.key is not None and mapper.local_table.name == match.group(1):
@@ -74,13 +74,13 @@ async def deleted_row(
             pk_cols = list(mapper.primary_key)
             lookup: AsyncSession = sessions()
             try:
-                present = await lookup.execute(select(*pk_cols).where(_keys_in(pk_cols, pks)))
+                present = await lookup.execute(select(*pk_cols).where(keys_in(pk_cols, pks)))
                 found = {tuple(row) for row in present.all()}
             finally:
                 await AsyncSession.close(lookup)
             gone = [pk for pk in pks if pk not in found]
             if gone:
-                subject = f"{match.group(1)}:{_format_pk(gone[0])}"
+                subject = f"{match.group(1)}:{format_pk(gone[0])}"
                 stats["deleted"] += 1
                 return RowDeleted(f"{subject} was deleted by another writer", subject=subject)
     except Exception:  # a lookup that fails says nothing; the retry decides

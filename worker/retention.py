@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any, cast
 from sqlalchemy import Table, any_, bindparam, delete, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, async_sessionmaker
 
-from worker import attempts, claims, metrics, sweeper
+from worker import attempts, metrics, sweeper
 from worker.errors import ConfigurationError
-from worker.inbox import InboxMarker
+from worker.inbox import ABANDONED, FINISHED, InboxMarker
 from worker.logs import get_logger
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ _inbox = cast(Table, InboxMarker.__table__)
 _OLDEST_FINISHED = (
     select(_inbox.c.id)
     .where(
-        or_(_inbox.c.state == claims.FINISHED, _inbox.c.state == claims.ABANDONED),
+        or_(_inbox.c.state == FINISHED, _inbox.c.state == ABANDONED),
         _inbox.c.processed_at < bindparam("cutoff"),
     )
     .order_by(_inbox.c.processed_at)

@@ -62,15 +62,23 @@ class Settings(BaseSettings):
     )
     max_deliveries: int = Field(5, ge=1, le=1000, description="Deliveries before dead-lettering.")
     delivery_counts: Literal["broker", "database"] = Field(
-        "broker",
-        description="broker: the broker's (or the adapter's in-memory) counts; database: "
-        "redeliveries are also counted in the database, so a message that crashes the "
-        "process is bounded by WORKER_MAX_DELIVERIES across restarts.",
+        "database",
+        description="database: a redelivery's start is counted in the database, so a "
+        "message that crashes the process is bounded across restarts and the deliveries "
+        "it took down spend nothing for being held; broker: the broker's (or the "
+        "adapter's in-memory) counts, which count returns.",
     )
     count_first_deliveries: bool = Field(
         False,
-        description="With WORKER_DELIVERY_COUNTS=database: count first deliveries too "
-        "(one more round trip per message), for brokers that may not flag a redelivery.",
+        description="With WORKER_DELIVERY_COUNTS=database: count first deliveries' starts "
+        "too (one more round trip per message), for brokers that may not flag a redelivery.",
+    )
+    max_give_backs: int = Field(
+        20,
+        ge=1,
+        le=10_000,
+        description="Uncounted give-backs of one message (contention, in progress elsewhere, "
+        "a schema behind the code) before further ones count; outages and shutdowns never count.",
     )
     retry_backoff: float = Field(0.02, ge=0, description="Base of the jittered backoff, seconds.")
     retry_backoff_max: float = Field(1.0, ge=0, description="Cap of the jittered backoff, seconds.")

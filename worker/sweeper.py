@@ -23,8 +23,11 @@ from pydantic import ValidationError
 from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from worker.claims import ABANDONED, CLAIMED, _aware, _inbox, _now, run, take_over
+from worker.claim_runner import run
 from worker.db import discard
+from worker.inbox import ABANDONED, CLAIMED, TABLE
+from worker.leases import aware, take_over
+from worker.leases import now as database_now
 from worker.logs import scrub
 from worker.registry import Runs
 
@@ -65,21 +68,21 @@ async def stale_claims(sessions: async_sessionmaker[Any], limit: int = 100) -> l
     """Unfinished claims past their lease, longest overdue first (index ix_inbox_lease_until)."""
     session: AsyncSession = sessions()
     try:
-        now = _now(session)
+        now = database_now(session)
         statement = (
             select(
-                _inbox.c.id,
-                _inbox.c.message_id,
-                _inbox.c.consumer,
-                _inbox.c.message_type,
-                _inbox.c.claimed_by,
-                _inbox.c.attempts,
-                _inbox.c.lease_until,
-                _inbox.c.outcome,
+                TABLE.c.id,
+                TABLE.c.message_id,
+                TABLE.c.consumer,
+                TABLE.c.message_type,
+                TABLE.c.claimed_by,
+                TABLE.c.attempts,
+                TABLE.c.lease_until,
+                TABLE.c.outcome,
                 now.label("now"),
             )
-            .where(_inbox.c.state == CLAIMED, _inbox.c.lease_until < now)
-            .order_by(_inbox.c.lease_until)
+            .where(TABLE.c.state == CLAIMED, TABLE.c.lease_until < now)
+            .order_by(TABLE.c.lease_until)
             .limit(limit)
         )
         rows = (await session.execute(statement)).all()
@@ -93,9 +96,9 @@ async def stale_claims(sessions: async_sessionmaker[Any], limit: int = 100) -> l
             row.message_type,
             row.claimed_by,
             row.attempts,
-            _aware(row.lease_until),
+            aware(row.lease_until),
             row.outcome,
-            (_aware(row.now) - _aware(row.lease_until)).total_seconds(),
+            (aware(row.now) - aware(row.lease_until)).total_seconds(),
         )
         for row in rows
     ]
@@ -189,14 +192,14 @@ async def _abandon_exhausted(
     session: AsyncSession = sessions()
     try:
         result = await session.execute(
-            update(_inbox)
+            update(TABLE)
             .where(
-                _inbox.c.id == claim_id,
-                _inbox.c.state == CLAIMED,
-                _inbox.c.lease_until < _now(session),
-                _inbox.c.attempts >= max_attempts,
+                TABLE.c.id == claim_id,
+                TABLE.c.state == CLAIMED,
+                TABLE.c.lease_until < database_now(session),
+                TABLE.c.attempts >= max_attempts,
             )
-            .values(state=ABANDONED, lease_until=None, processed_at=_now(session))
+            .values(state=ABANDONED, lease_until=None, processed_at=database_now(session))
         )
         await AsyncSession.commit(session)
     finally:
@@ -213,16 +216,16 @@ async def abandoned_claims(
         rows = (
             await session.execute(
                 select(
-                    _inbox.c.id,
-                    _inbox.c.message_id,
-                    _inbox.c.consumer,
-                    _inbox.c.message_type,
-                    _inbox.c.attempts,
-                    _inbox.c.processed_at,
-                    _inbox.c.outcome,
+                    TABLE.c.id,
+                    TABLE.c.message_id,
+                    TABLE.c.consumer,
+                    TABLE.c.message_type,
+                    TABLE.c.attempts,
+                    TABLE.c.processed_at,
+                    TABLE.c.outcome,
                 )
-                .where(_inbox.c.state == ABANDONED)
-                .order_by(_inbox.c.processed_at.desc())
+                .where(TABLE.c.state == ABANDONED)
+                .order_by(TABLE.c.processed_at.desc())
                 .limit(limit)
             )
         ).all()
@@ -236,7 +239,7 @@ async def abandoned_claims(
             "type": row.message_type,
             "state": ABANDONED,
             "attempts": row.attempts,
-            "abandoned_at": _aware(row.processed_at).isoformat() if row.processed_at else None,
+            "abandoned_at": aware(row.processed_at).isoformat() if row.processed_at else None,
             "last_outcome": _printable(row.outcome),
         }
         for row in rows
@@ -246,7 +249,7 @@ async def abandoned_claims(
 async def _body(sessions: async_sessionmaker[Any], claim_id: int) -> bytes | None:
     session: AsyncSession = sessions()
     try:
-        body = await session.scalar(select(_inbox.c.body).where(_inbox.c.id == claim_id))
+        body = await session.scalar(select(TABLE.c.body).where(TABLE.c.id == claim_id))
     finally:
         await discard(session)
     return cast(bytes | None, body)

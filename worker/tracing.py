@@ -1,7 +1,7 @@
 """OpenTelemetry tracing: a consumer span per delivery, a child span per consumer's transaction.
 
-Off by default. With ``WORKER_TRACING=false`` the pump holds no :class:`Tracing` and
-never calls into OpenTelemetry, so tracing costs a delivery one ``is None`` test.
+Off by default. With ``WORKER_TRACING=false`` no :class:`Tracing` middleware is
+attached (``worker.cli.assemble``) and nothing calls into OpenTelemetry.
 With ``WORKER_TRACING=true``:
 
 - the W3C context (``traceparent``/``tracestate``) is extracted from the delivery's
@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import propagate, trace
 from opentelemetry.propagators.textmap import Getter
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 
 from worker.errors import ConfigurationError
 
@@ -39,7 +39,10 @@ if TYPE_CHECKING:
 
     from worker.brokers import Broker
     from worker.delivery import Delivery
+    from worker.middleware import NextStage, NextWork
     from worker.settings import Settings
+    from worker.verdict import Verdict
+    from worker.work import Stage, Work
 
 # Adapter name -> the semantic conventions' ``messaging.system`` value.
 MESSAGING_SYSTEMS = {"rabbitmq": "rabbitmq", "kafka": "kafka", "servicebus": "servicebus"}
@@ -75,7 +78,12 @@ GETTER = HeaderGetter()
 
 
 class Tracing:
-    """Spans for one pump; built only when tracing is on."""
+    """Spans for one pump, as middleware; built only when tracing is on.
+
+    The object is the work middleware (a ``CONSUMER`` span per delivery; a batch's
+    span links every delivery's context); :attr:`stages` is the stage middleware (a
+    ``transaction <consumer>`` child span per handler's runner).
+    """
 
     def __init__(
         self,
@@ -88,40 +96,44 @@ class Tracing:
         self._destination = broker.destination
         self._db_system = engine.dialect.name if engine is not None else None
         self._name = f"process {self._destination}"
+        self.stages = Transactions(self)
 
-    async def delivery(
-        self, delivery: Delivery, handle: Callable[[Delivery], Awaitable[None]]
-    ) -> None:
-        """Run ``handle(delivery)`` inside the delivery's consumer span."""
-        parent = propagate.extract(delivery.headers, getter=GETTER)
-        attributes: dict[str, Any] = {
+    async def __call__(self, work: Work, call_next: NextWork) -> None:
+        """Run the unit of work inside its consumer span."""
+        if len(work.items) == 1:
+            delivery = work.items[0].delivery
+            parent = propagate.extract(delivery.headers, getter=GETTER)
+            links: list[Link] = []
+            attributes = self._attributes(delivery)
+        else:
+            parent = None
+            links = [_link(item.delivery.headers) for item in work.items]
+            attributes = self._common()
+            attributes["messaging.batch.message_count"] = len(work.items)
+        with self._tracer.start_as_current_span(
+            self._name, context=parent, kind=SpanKind.CONSUMER, attributes=attributes, links=links
+        ) as span:
+            await call_next(work)
+            _record(span, [item.verdict for item in work.items])
+
+    def _common(self) -> dict[str, Any]:
+        return {
             "messaging.system": self._system,
             "messaging.destination.name": self._destination,
             "messaging.operation.type": "process",
             "messaging.operation.name": "process",
-            "worker.delivery_count": delivery.delivery_count,
         }
+
+    def _attributes(self, delivery: Delivery) -> dict[str, Any]:
+        attributes = self._common()
+        attributes["worker.delivery_count"] = delivery.delivery_count
         if delivery.message_id is not None:
-            attributes["messaging.message.id"] = delivery.message_id
-        if delivery.type is not None:
+            attributes["messaging.message.id"] = str(delivery.message_id)
+        if isinstance(delivery.type, str):
             attributes["worker.message_type"] = delivery.type
         if self._system == "servicebus":
             attributes["messaging.servicebus.message.delivery_count"] = delivery.delivery_count
-        with self._tracer.start_as_current_span(
-            self._name, context=parent, kind=SpanKind.CONSUMER, attributes=attributes
-        ) as span:
-            await handle(delivery)
-            if delivery.settled is None:
-                span.set_attribute("worker.settlement", "unsettled")
-
-    @staticmethod
-    def settling(outcome: str, verb: str, reason: str | None) -> None:
-        """Record the pump's verdict on the current (the delivery's) span."""
-        span = trace.get_current_span()
-        span.set_attribute("worker.outcome", outcome)
-        span.set_attribute("worker.settlement", verb)
-        if verb in _FAILED_SETTLEMENTS:
-            span.set_status(Status(StatusCode.ERROR, reason or outcome))
+        return attributes
 
     @contextmanager
     def transaction(self, consumer: str) -> Iterator[Span]:
@@ -133,6 +145,42 @@ class Tracing:
             f"transaction {consumer}", attributes=attributes
         ) as span:
             yield span
+
+
+class Transactions:
+    """The stage middleware of :class:`Tracing`."""
+
+    def __init__(self, tracing: Tracing) -> None:
+        self._tracing = tracing
+
+    async def __call__(self, stage: Stage, call_next: NextStage) -> list[Verdict]:
+        with self._tracing.transaction(stage.handler.consumer) as span:
+            verdicts = await call_next(stage)
+            if len(verdicts) == 1:
+                span.set_attribute("worker.outcome", verdicts[0].outcome)
+            return verdicts
+
+
+def _link(headers: Mapping[Any, Any]) -> Link:
+    context = trace.get_current_span(propagate.extract(headers, getter=GETTER)).get_span_context()
+    return Link(context)
+
+
+def _record(span: Span, verdicts: list[Verdict | None]) -> None:
+    """The verdicts on the consumer span: its outcome and the settlement it leads to."""
+    ended = [verdict for verdict in verdicts if verdict is not None]
+    if not ended:
+        span.set_attribute("worker.settlement", "unsettled")
+        return
+    if len(ended) == 1:
+        [verdict] = ended
+        span.set_attribute("worker.outcome", verdict.outcome)
+        span.set_attribute("worker.settlement", verdict.verb)
+        if verdict.verb in _FAILED_SETTLEMENTS:
+            span.set_status(Status(StatusCode.ERROR, verdict.reason or verdict.outcome))
+        return
+    for verb in {verdict.verb for verdict in ended}:
+        span.set_attribute(f"worker.settlements.{verb}", sum(v.verb == verb for v in ended))
 
 
 def configure(settings: Settings) -> Callable[[], None] | None:

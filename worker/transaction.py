@@ -2,13 +2,14 @@
 
 One attempt is::
 
-    fresh session -> [redelivery: inbox fast path] -> insert marker -> handler -> one commit
+    fresh session -> [redelivery: inbox fast path] -> insert marker -> handler
+        -> [the adapter's own writes] -> one commit
 
 The marker and the handler's writes commit together or not at all, so the
 database picks the winner between two pumps holding the same message: the loser's
 unique violation of the inbox constraint is a duplicate. Contention retries on a
-fresh session within ``WORKER_RETRY_BUDGET``; every other ending is the
-:class:`~worker.judge.Judge`'s to name.
+fresh session within ``WORKER_RETRY_BUDGET``; every other ending is
+:class:`~worker.endings.Endings`' to name.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from worker import inbox
-from worker.db import HANDLER_RUNNING, HandlerRun, discard
-from worker.errors import HandlerTimeout
-from worker.registry import Context
+from worker.calling import call_handler
+from worker.context import Context
+from worker.db import discard
+from worker.delivery import in_commit
+from worker.judge import Again
 from worker.verdict import COMMITTED
 
 if TYPE_CHECKING:
@@ -31,16 +34,20 @@ if TYPE_CHECKING:
 
     from worker.db import PumpSession
     from worker.delivery import Delivery
-    from worker.judge import Judge
+    from worker.endings import Endings
     from worker.registry import Handler
     from worker.verdict import Verdict
+    from worker.work import Stage
 
 
 class TransactionRunner:
     """Runs a handler until it commits, is a duplicate, or must give the delivery back."""
 
-    def __init__(self, sessions: async_sessionmaker[Any], judge: Judge, *, postgres: bool) -> None:
-        self.judge = judge
+    def __init__(
+        self, sessions: async_sessionmaker[Any], endings: Endings, *, postgres: bool
+    ) -> None:
+        self.endings = endings
+        self.judge = judge = endings.judge
         self._sessions = sessions
         self._postgres = postgres
         settings = judge.settings
@@ -48,21 +55,33 @@ class TransactionRunner:
         self._fast_path = settings.fast_path
         self._timeout = settings.handler_timeout
         self._retry_budget = settings.retry_budget
+        # what one attempt may take: the handler, plus the longest backoff before the next
+        self._phase = (self._timeout or 0.0) + settings.retry_backoff_max
 
-    async def run(self, delivery: Delivery, handler: Handler[Any], message: BaseModel) -> Verdict:
+    async def run(self, stage: Stage) -> list[Verdict]:
+        return [
+            await self.one(item.delivery, stage.handler, item.message(stage.handler), stage.last)
+            for item in stage.items
+        ]
+
+    async def one(
+        self, delivery: Delivery, handler: Handler[Any], message: BaseModel, last: bool = True
+    ) -> Verdict:
+        """``last``: the type's last handler, whose commit carries the adapter's writes."""
         judge = self.judge
         message_id = delivery.message_id
         assert message_id is not None
         consumer = handler.consumer
-        timeout = self._timeout
         attempt = 0
         deadline = 0.0
         while True:
             attempt += 1
+            if self._timeout is not None:
+                delivery.keep_alive(self._phase)
             session: PumpSession = self._sessions()
-            spent = True
             try:
                 if await self._mark(session, delivery, handler, message):
+                    await discard(session)
                     return judge.duplicate(delivery, consumer, attempt, "fast-path")
                 context = Context(
                     session,
@@ -72,40 +91,32 @@ class TransactionRunner:
                     attempt,
                     delivery.headers,
                 )
-                run = HandlerRun()
-                running = HANDLER_RUNNING.set(run)
-                try:  # inline, not a wrapper coroutine: every resume of the handler skips a frame
-                    async with asyncio.timeout(timeout):
-                        await handler.func(context, message)
-                except TimeoutError as exc:
-                    if timeout is None:
-                        raise
-                    raise _overran(timeout) from exc
-                finally:
-                    HANDLER_RUNNING.reset(running)
-                run.refuse_swallowed()
-                if delivery.in_transaction is not None:
-                    await delivery.in_transaction(session)
+                await call_handler(handler.func(context, message), self._timeout)
+                if last:
+                    await in_commit(session, [delivery])
                 await AsyncSession.commit(session)
-                # Committed: the connection is back in the pool and nothing is left to
-                # roll back, so the session is dropped unclosed (one greenlet hop less).
-                spent = False
-                judge.note(delivery, consumer, attempt, "committed")
-                return COMMITTED
             except Exception as exc:
-                verdict = judge.requested(delivery, consumer, attempt, exc)
-                if verdict is not None:
-                    return verdict
+                # end the failed transaction first: on PostgreSQL it may still hold the
+                # marker's key, which a replica racing for the same message waits on
+                await discard(session)
                 if attempt == 1:
                     deadline = time.monotonic() + self._retry_budget
-                verdict = await judge.after_failure(
-                    delivery, handler, attempt, deadline, session, exc
+                ending = await self.endings.ended(
+                    delivery, handler, attempt, exc, deadline, session
                 )
-                if verdict is not None:
-                    return replace(verdict, attempt=attempt)
-            finally:
-                if spent:
-                    await discard(session)
+            except BaseException:  # cancelled (a shutdown past its grace): nothing settles
+                await discard(session)
+                raise
+            else:
+                # Committed: the connection is back in the pool and nothing is left to
+                # roll back, so the session is dropped unclosed (one greenlet hop less).
+                judge.committed(consumer)
+                judge.note(delivery, consumer, attempt, "committed")
+                return COMMITTED
+            if isinstance(ending, Again):
+                await asyncio.sleep(ending.delay)
+                continue
+            return replace(ending, attempt=attempt)
 
     async def _mark(
         self, session: PumpSession, delivery: Delivery, handler: Handler[Any], message: BaseModel
@@ -143,7 +154,3 @@ class TransactionRunner:
             return True
         await inbox.mark(session, message_id, consumer)
         return False
-
-
-def _overran(seconds: float) -> HandlerTimeout:
-    return HandlerTimeout(f"handler ran longer than WORKER_HANDLER_TIMEOUT={seconds}s")

@@ -33,6 +33,8 @@ class Outcome(enum.StrEnum):
     RETRY_REQUESTED = "retry-requested"
     ATTEMPTS_EXHAUSTED = "attempts-exhausted"
     PAUSED = "paused"
+    SCHEMA_BEHIND = "schema-behind"
+    KEY_BUSY = "key-busy"
     IN_PROGRESS = "in-progress"
     SHUTDOWN = "shutdown"
     REJECTED = "rejected"
@@ -60,6 +62,7 @@ _SETTLEMENT = {
     Outcome.FAILED: "nacked",
     Outcome.ATTEMPTS_EXHAUSTED: "nacked",
     Outcome.PAUSED: "nacked",
+    Outcome.SCHEMA_BEHIND: "nacked",
     Outcome.RETRY_REQUESTED: "nacked",
     Outcome.NACKED: "nacked",
 }
@@ -70,7 +73,16 @@ class Verdict:
     """One handler's end on one delivery, for the pump's single settlement point.
 
     ``counted=False`` keeps the delivery count where it is: the message is not to
-    blame (a database outage, contention, a shutdown, a twin in progress elsewhere).
+    blame (contention, a twin in progress elsewhere, a claim held elsewhere). Such a
+    give-back is still this message's path, so it is bounded: each one adds to the
+    message's ``give_backs``, its delay grows with them, and past
+    ``WORKER_MAX_GIVE_BACKS`` it counts (:mod:`worker.settle`).
+
+    ``environment=True`` (with ``counted=False``): the environment is at fault (the
+    database is away, read-only or full, the worker is stopping), and the pump has
+    paused or is stopping, so the message is not taken again until that is over:
+    bounded by the pause, never by the message's give-backs.
+
     ``attempt`` is filled in on the unhappy path only, for the log lines.
     """
 
@@ -80,6 +92,7 @@ class Verdict:
     delay: float | None = None
     counted: bool = True
     attempt: int = 0  # the handler attempt that ended it (0: before any handler ran)
+    environment: bool = False
 
 
 COMMITTED = Verdict(Verb.ACK, Outcome.COMMITTED)
@@ -102,6 +115,30 @@ def failure(consumer: str, exc: BaseException, delivery_count: int, max_deliveri
 GIVE_BACK_DELAY = 1.0
 """Seconds before an uncounted give-back (pause, contention, shutdown) comes back."""
 
-PAUSED = Verdict(Verb.NACK, Outcome.PAUSED, "database unavailable", GIVE_BACK_DELAY, counted=False)
-STOPPING = Verdict(Verb.NACK, Outcome.SHUTDOWN, "the worker is stopping", 0.0, counted=False)
-UNEXPECTED = Verdict(Verb.NACK, Outcome.NACKED, "unexpected error")
+PAUSED = Verdict(
+    Verb.NACK,
+    Outcome.PAUSED,
+    "database unavailable",
+    GIVE_BACK_DELAY,
+    counted=False,
+    environment=True,
+)
+STOPPING = Verdict(
+    Verb.NACK, Outcome.SHUTDOWN, "the worker is stopping", 0.0, counted=False, environment=True
+)
+
+
+def unexpected(delivery_count: int, max_deliveries: int, error: BaseException) -> Verdict:
+    """A bug outside any handler: nack (counted), or dead-letter on the last allowed
+    delivery, so that a delivery that always meets it still ends."""
+    reason = f"unexpected error: {type(error).__name__}: {error}"
+    if last_delivery(delivery_count, max_deliveries):
+        return Verdict(
+            Verb.DEAD_LETTER, Outcome.EXHAUSTED, f"failed {delivery_count} deliveries: {reason}"
+        )
+    return Verdict(Verb.NACK, Outcome.NACKED, reason)
+
+
+def poison(reason: str) -> Verdict:
+    """What no handler can run (refused by intake, or ``Poison`` raised): dead-letter at once."""
+    return Verdict(Verb.DEAD_LETTER, Outcome.POISON, reason)

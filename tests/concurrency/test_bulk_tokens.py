@@ -27,7 +27,7 @@ from worker.concurrency import (
     save,
 )
 from worker.db import Failure, PumpSession, classify, create_engine, session_factory
-from worker.errors import ConfigurationError, PreconditionFailed
+from worker.errors import ConfigurationError, PreconditionFailed, RowDeleted
 from worker.registry import Context
 
 PRODUCTS = cast(Table, Product.__table__)
@@ -78,16 +78,37 @@ async def test_guarded_update_raises_instead_and_leaves_the_concurrent_change(
         await connection.execute(
             update(PRODUCTS).where(PRODUCTS.c.id == "p2").values(name="renamed", version=2)
         )
-        await connection.execute(PRODUCTS.delete().where(PRODUCTS.c.id == "p3"))
     ctx = context(engine)
     try:
         with pytest.raises(BulkConflict) as raised:
             await guarded_update(ctx, Product, read, {"name": "discontinued"})
     finally:
         await AsyncSession.close(ctx.session)  # the pump's rollback
-    assert (raised.value.expected, raised.value.affected, raised.value.deleted) == (3, 1, [("p3",)])
+    assert (raised.value.expected, raised.value.affected, raised.value.deleted) == (3, 2, [])
     assert isinstance(raised.value, StaleDataError)  # the pump re-runs the attempt
-    assert await names(engine) == {"p1": ("item 0", 1), "p2": ("renamed", 2)}
+    assert await names(engine) == {"p1": ("item 0", 1), "p2": ("renamed", 2), "p3": ("item 2", 1)}
+
+
+async def test_a_guarded_write_over_a_deleted_row_is_a_rejection_not_a_retry(
+    engine: AsyncEngine,
+) -> None:
+    """A row that is gone does not come back: re-running the attempt would loop for ever."""
+    await seed(engine, "p1", "p2", "p3")
+    async with engine.begin() as connection:
+        await connection.execute(PRODUCTS.delete().where(PRODUCTS.c.id == "p3"))
+    for write in ("update", "delete"):
+        ctx = context(engine)
+        try:
+            with pytest.raises(RowDeleted) as raised:
+                if write == "update":
+                    await guarded_update(ctx, Product, {"p1": 1, "p3": 1}, {"name": "x"})
+                else:
+                    await guarded_delete(ctx, Product, {"p1": 1, "p3": 1})
+        finally:
+            await AsyncSession.close(ctx.session)
+        assert raised.value.subject == "products:p3"
+        assert not isinstance(raised.value, StaleDataError)  # recorded and acked, never retried
+    assert await names(engine) == {"p1": ("item 0", 1), "p2": ("item 1", 1)}
 
 
 async def test_guarded_update_and_delete_apply_when_every_token_matches(

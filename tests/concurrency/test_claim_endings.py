@@ -34,7 +34,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from tests.concurrency.concurrency_helpers import inbox_rows
 from tests.support.database import INBOX
 from tests.support.pumps import MakeSettings, RunPumps
-from worker import claims, cli, retention, sweeper
+from worker import claim_runner, cli, leases, retention, sweeper
 from worker.brokers.memory import MemoryBroker
 from worker.claims import ClaimContext, side_effect
 from worker.db import Failure, PumpSession, classify, create_engine, session_factory
@@ -63,7 +63,7 @@ class Wallet(Base):
 
 @dataclass
 class FakeDelivery:
-    """The parts of a Delivery that :func:`claims.process` reads."""
+    """The parts of a Delivery that :func:`claim_runner.process` reads."""
 
     delivery_count: int
     message_id: str = "m1"
@@ -143,8 +143,8 @@ async def test_a_replica_that_lost_its_claim_commits_none_of_its_writes(
     settings = make_settings(claim_lease=5, claim_call_timeout=4)
     sessions = session_factory(engine)
 
-    async def finish(claim: claims.Claim, delivery_count: int) -> Verdict:
-        return await claims.run(
+    async def finish(claim: leases.Claim, delivery_count: int) -> Verdict:
+        return await claim_runner.run(
             sessions,
             handler,
             Pay(amount=10),
@@ -156,12 +156,12 @@ async def test_a_replica_that_lost_its_claim_commits_none_of_its_writes(
             headers={},
         )
 
-    slow = await claims.acquire(sessions, "m1", "pay", lease=0.2)  # replica A
-    assert isinstance(slow, claims.Claim)
+    slow = await leases.acquire(sessions, "m1", "pay", lease=0.2)  # replica A
+    assert isinstance(slow, leases.Claim)
     a_running = asyncio.create_task(finish(slow, 1))
     await asyncio.sleep(0.4)  # A's lease runs out mid-call
-    fast = await claims.acquire(sessions, "m1", "pay", lease=5)  # the redelivery, replica B
-    assert isinstance(fast, claims.Claim) and fast.taken_over
+    fast = await leases.acquire(sessions, "m1", "pay", lease=5)  # the redelivery, replica B
+    assert isinstance(fast, leases.Claim) and fast.taken_over
     won = await finish(fast, 2)
     b_finished.set()
     lost = await asyncio.wait_for(a_running, 10)  # A's call returns only now; B finished first
@@ -214,11 +214,11 @@ async def test_the_mark_goes_before_the_handlers_writes_on_postgresql(
         blocker = await engine.connect()  # another transaction holds the wallet row
         await blocker.execute(text("UPDATE claim_wallet SET paid = paid WHERE id = 1"))
         first = asyncio.create_task(
-            claims.process(sessions, handler, Pay(amount=10), FakeDelivery(1), settings, LOG)  # type: ignore[arg-type]
+            claim_runner.process(sessions, handler, Pay(amount=10), FakeDelivery(1), settings, LOG)  # type: ignore[arg-type]
         )
         await asyncio.sleep(1.2)  # A's lease ran out while its write waited
         second = asyncio.create_task(
-            claims.process(sessions, handler, Pay(amount=10), FakeDelivery(2), settings, LOG)  # type: ignore[arg-type]
+            claim_runner.process(sessions, handler, Pay(amount=10), FakeDelivery(2), settings, LOG)  # type: ignore[arg-type]
         )
         await asyncio.sleep(0.3)
         await blocker.rollback()
@@ -324,17 +324,17 @@ async def test_only_one_new_delivery_takes_over_an_abandoned_claim(database_url:
     try:
         await add_claim(engines[0], "m1", state="abandoned", attempts=3, age=timedelta(hours=1))
         [abandoned] = await inbox_rows(engines[0])
-        assert await claims.take_over(session_factory(engines[0]), abandoned.id, lease=30) is None
+        assert await leases.take_over(session_factory(engines[0]), abandoned.id, lease=30) is None
         got = await asyncio.gather(
-            *(claims.acquire(session_factory(e), "m1", "pay", lease=30) for e in engines)
+            *(leases.acquire(session_factory(e), "m1", "pay", lease=30) for e in engines)
         )
         [row] = await inbox_rows(engines[0])
     finally:
         for engine in engines:
             await engine.dispose()
-    winners = [claim for claim in got if isinstance(claim, claims.Claim)]
+    winners = [claim for claim in got if isinstance(claim, leases.Claim)]
     assert len(winners) == 1 and winners[0].attempts == 4
-    assert sum(isinstance(claim, claims.Held) for claim in got) == 3
+    assert sum(isinstance(claim, leases.Held) for claim in got) == 3
     assert (row.state, row.processed_at, row.claimed_by) == ("claimed", None, winners[0].owner)
 
 
@@ -371,8 +371,8 @@ async def deliver(
     settings: Settings,
     delivery: FakeDelivery,
 ) -> Verdict:
-    """:func:`claims.process` for a FakeDelivery of Pay(amount=10)."""
-    return await claims.process(
+    """:func:`claim_runner.process` for a FakeDelivery of Pay(amount=10)."""
+    return await claim_runner.process(
         sessions, handler, Pay(amount=10), cast(Any, delivery), settings, LOG
     )
 
@@ -395,9 +395,9 @@ async def test_a_call_that_timed_out_keeps_its_lease_and_comes_back_after_it(
     sessions = session_factory(engine)
     outcome = await deliver(sessions, handler, settings, FakeDelivery(1))
     [row] = await inbox_rows(engine)
-    twin = await claims.acquire(sessions, "m1", "pay", lease=1.5)  # a redelivery right now
+    twin = await leases.acquire(sessions, "m1", "pay", lease=1.5)  # a redelivery right now
     assert (outcome.verb, outcome.outcome, outcome.counted) == ("nack", "call-timeout", True)
-    assert isinstance(twin, claims.Held) and twin.remaining > 1.0  # the lease still runs
+    assert isinstance(twin, leases.Held) and twin.remaining > 1.0  # the lease still runs
     assert outcome.delay is not None and outcome.delay >= twin.remaining  # back after it
     assert row.state == "claimed" and row.lease_until is not None
     assert row.outcome == (
@@ -421,11 +421,11 @@ async def test_a_call_that_timed_out_on_the_last_delivery_is_abandoned_with_its_
     assert (row.state, row.attempts) == ("abandoned", 1)
     assert row.lease_until is not None and row.processed_at is not None
     assert row.outcome.startswith("unknown: TimeoutError")
-    resubmitted = await claims.acquire(sessions, "m1", "pay", lease=2.0)
-    assert isinstance(resubmitted, claims.Held) and resubmitted.remaining > 0.5
+    resubmitted = await leases.acquire(sessions, "m1", "pay", lease=2.0)
+    assert isinstance(resubmitted, leases.Held) and resubmitted.remaining > 0.5
     await asyncio.sleep(resubmitted.remaining + 0.1)
-    later = await claims.acquire(sessions, "m1", "pay", lease=2.0)
-    assert isinstance(later, claims.Claim) and later.attempts == 2
+    later = await leases.acquire(sessions, "m1", "pay", lease=2.0)
+    assert isinstance(later, leases.Claim) and later.attempts == 2
     assert await sweeper.stale_claims(sessions) == []  # abandoned: never the sweeper's
 
 
@@ -448,7 +448,7 @@ async def hold_key(engine: AsyncEngine) -> AsyncConnection:
 async def claim_behind_blocker(
     engine: AsyncEngine, handler: Handler[Any], settings: Settings, held_for: float
 ) -> Verdict:
-    """:func:`claims.process` whose claim waits ``held_for`` seconds for :func:`hold_key`."""
+    """:func:`claim_runner.process` whose claim waits ``held_for`` seconds for :func:`hold_key`."""
     blocker = await hold_key(engine)
     try:
         task = asyncio.create_task(
@@ -505,8 +505,8 @@ async def test_a_lease_spent_by_the_claim_itself_is_given_back_uncounted_without
     assert calls == Counter()  # calling now could overlap a takeover
     assert (outcome.verb, outcome.outcome, outcome.counted) == ("nack", "lease-spent", False)
     assert row.state == "claimed" and row.outcome.startswith("not called: TimeoutError")
-    taken = await claims.acquire(session_factory(engine), "m1", "pay", lease=5)
-    assert isinstance(taken, claims.Claim) and taken.attempts == 2  # released: at once
+    taken = await leases.acquire(session_factory(engine), "m1", "pay", lease=5)
+    assert isinstance(taken, leases.Claim) and taken.attempts == 2  # released: at once
 
 
 # -- issue 15 item 9: claim outcomes leave the process scrubbed -----------------------------------

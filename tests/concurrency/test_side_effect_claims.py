@@ -32,7 +32,7 @@ from tests.support.database import INBOX
 from tests.support.processes import json_env, run_cli
 from tests.support.pumps import MakeSettings, RunPumps, running_pump
 from tests.support.waiting import wait_for
-from worker import claims, sweeper
+from worker import leases, sweeper
 from worker.brokers.memory import MemoryBroker
 from worker.claims import ClaimContext, side_effect
 from worker.db import create_engine, session_factory
@@ -380,33 +380,33 @@ async def test_only_one_replica_takes_over_an_expired_claim(database_url: str) -
         )
         [stale] = await inbox_rows(engines[0])
         taken = await asyncio.gather(
-            *(claims.take_over(session_factory(e), stale.id, lease=30) for e in engines)
+            *(leases.take_over(session_factory(e), stale.id, lease=30) for e in engines)
         )
         acquired = await asyncio.gather(
-            *(claims.acquire(session_factory(e), "m2", "mail", 30) for e in engines)
+            *(leases.acquire(session_factory(e), "m2", "mail", 30) for e in engines)
         )
     finally:
         for engine in engines:
             await engine.dispose()
     winners = [claim for claim in taken if claim is not None]
     assert len(winners) == 1 and winners[0].attempts == 2
-    assert sum(isinstance(got, claims.Claim) for got in acquired) == 1
-    assert sum(isinstance(got, claims.Held) for got in acquired) == 3
+    assert sum(isinstance(got, leases.Claim) for got in acquired) == 1
+    assert sum(isinstance(got, leases.Held) for got in acquired) == 3
 
 
 async def test_a_claim_that_lost_its_lease_cannot_release_the_new_owners(
     engine: AsyncEngine, make_settings: MakeSettings
 ) -> None:
     sessions = session_factory(engine)
-    first = await claims.acquire(sessions, "m1", "mail", lease=0.05)
-    assert isinstance(first, claims.Claim)
+    first = await leases.acquire(sessions, "m1", "mail", lease=0.05)
+    assert isinstance(first, leases.Claim)
     await asyncio.sleep(0.1)
-    second = await claims.acquire(sessions, "m1", "mail", lease=30)
-    assert isinstance(second, claims.Claim) and second.attempts == 2
-    await claims._release(sessions, first, RuntimeError("late failure"), LOG)
+    second = await leases.acquire(sessions, "m1", "mail", lease=30)
+    assert isinstance(second, leases.Claim) and second.attempts == 2
+    await leases.release(sessions, first, RuntimeError("late failure"), LOG)
     [row] = await inbox_rows(engine)
     assert row.claimed_by == second.owner
-    assert isinstance(await claims.acquire(sessions, "m1", "mail", lease=30), claims.Held)
+    assert isinstance(await leases.acquire(sessions, "m1", "mail", lease=30), leases.Held)
 
 
 def test_worker_sweep_lists_stale_claims_as_json(database_url: str) -> None:

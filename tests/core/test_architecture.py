@@ -1,5 +1,7 @@
-"""The layout's promises: no import cycles inside ``worker`` (typing-only imports included),
-and the core loads no broker SDK."""
+"""The layout's promises: no import cycles inside ``worker``, counting every import (module
+level, typing-only and inside functions alike); no module importing another module's
+private names; no module but the pump touching the pump's private state; and the core
+loads no broker SDK."""
 
 from __future__ import annotations
 
@@ -17,45 +19,56 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _module_level_imports(tree: ast.Module, known: set[str]) -> set[str]:
-    """Imports at module level, in ``if TYPE_CHECKING:`` and ``try:`` blocks too; imports
-    inside functions are deliberate, lazy, and not part of the module graph."""
+def _imports(tree: ast.Module, known: set[str]) -> set[str]:
+    """Every import in the module, wherever it stands: at module level, under ``if
+    TYPE_CHECKING:``, in ``try:`` blocks and inside functions. An import inside a function
+    is still a dependency; hiding one there only hides a cycle."""
     found: set[str] = set()
-
-    def visit(body: list[ast.stmt]) -> None:
-        for node in body:
-            if isinstance(node, ast.If):
-                visit(node.body)
-                visit(node.orelse)
-            elif isinstance(node, ast.Try):
-                visit(node.body)
-                for handler in node.handlers:
-                    visit(handler.body)
-                visit(node.finalbody)
-            elif isinstance(node, ast.ClassDef):
-                visit(node.body)
-            elif isinstance(node, ast.Import):
-                found.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                # ``from worker import inbox`` depends on the submodule, not on the
-                # package's facade (worker/__init__.py re-exports the handler API)
-                names = [f"{node.module}.{alias.name}" for alias in node.names]
-                submodules = [name for name in names if name in known]
-                found.update(submodules)
-                if len(submodules) < len(names):
-                    found.add(node.module)
-
-    visit(tree.body)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            # ``from worker import inbox`` depends on the submodule, not on the
+            # package's facade (worker/__init__.py re-exports the handler API)
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
+            submodules = [name for name in names if name in known]
+            found.update(submodules)
+            if len(submodules) < len(names):
+                found.add(node.module)
     return found & known
+
+
+def private_imports(tree: ast.Module, known: set[str]) -> list[str]:
+    """``from worker.x import _name`` and ``x._name`` on an imported worker module."""
+    found: list[str] = []
+    aliases: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module in known and not node.level:
+            for alias in node.names:
+                if alias.name.startswith("_"):
+                    found.append(f"{node.module}.{alias.name}")
+                elif f"{node.module}.{alias.name}" in known:
+                    aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in known and alias.asname:
+                    aliases[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            found.append(f"{aliases[node.value.id]}.{node.attr}")
+    return found
 
 
 def import_graph() -> dict[str, set[str]]:
     paths = [p for p in PACKAGE.rglob("*.py") if "migrations" not in p.parts]
     known = {_module(p) for p in paths}
-    return {
-        _module(p): _module_level_imports(ast.parse(p.read_text()), known) - {_module(p)}
-        for p in paths
-    }
+    return {_module(p): _imports(ast.parse(p.read_text()), known) - {_module(p)} for p in paths}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -89,8 +102,47 @@ def test_the_cycle_check_can_fail() -> None:
 def test_a_name_imported_from_the_facade_is_an_edge_to_it() -> None:
     known = {"worker", "worker.inbox", "worker.pump"}
     tree = ast.parse("from worker import inbox\nfrom worker import Context")
-    assert _module_level_imports(tree, known) == {"worker.inbox", "worker"}
-    assert _module_level_imports(ast.parse("from worker import inbox"), known) == {"worker.inbox"}
+    assert _imports(tree, known) == {"worker.inbox", "worker"}
+    assert _imports(ast.parse("from worker import inbox"), known) == {"worker.inbox"}
+
+
+def test_an_import_inside_a_function_is_an_edge() -> None:
+    known = {"worker.inbox", "worker.pump"}
+    tree = ast.parse("def f():\n    from worker.pump import Pump\n    import worker.inbox\n")
+    assert _imports(tree, known) == {"worker.pump", "worker.inbox"}
+
+
+def modules() -> dict[str, ast.Module]:
+    paths = [p for p in PACKAGE.rglob("*.py") if "migrations" not in p.parts]
+    return {_module(p): ast.parse(p.read_text()) for p in paths}
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    trees = modules()
+    known = set(trees)
+    found = {name: private_imports(tree, known) for name, tree in trees.items()}
+    assert {name: names for name, names in found.items() if names} == {}
+
+
+def test_the_private_name_check_can_fail() -> None:
+    known = {"worker.claims", "worker.sweeper"}
+    tree = ast.parse("from worker.claims import _aware\nfrom worker import sweeper\nsweeper._x()")
+    assert private_imports(tree, known | {"worker"}) == [
+        "worker.claims._aware",
+        "worker.sweeper._x",
+    ]
+
+
+def test_no_module_but_the_pump_touches_the_pumps_private_state() -> None:
+    """``pump._anything`` (or ``self.pump._anything``) appears in worker/pump.py only."""
+    offenders = [
+        f"{path.relative_to(PACKAGE.parent)}:{number}"
+        for path in PACKAGE.rglob("*.py")
+        if path.name != "pump.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "pump._" in line
+    ]
+    assert offenders == []
 
 
 def test_the_core_imports_no_broker_sdk() -> None:

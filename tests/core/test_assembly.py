@@ -12,7 +12,9 @@ from worker.brokers.memory import MemoryBroker
 from worker.cli import assemble
 from worker.errors import BrokerUnavailable
 from worker.metrics import PUMPS
+from worker.middleware import Timing
 from worker.pump import Pump
+from worker.tracing import Tracing
 
 
 def tracked(pump: Pump) -> bool:
@@ -23,7 +25,7 @@ async def test_a_bare_pump_has_no_tracing_and_exports_nothing(
     engine: AsyncEngine, make_settings: MakeSettings
 ) -> None:
     pump = Pump(MemoryBroker().connect(), engine, credit_registry(), make_settings(tracing=True))
-    assert pump.tracing is None  # the pump does not read WORKER_TRACING
+    assert pump.middleware == ()  # the pump does not read WORKER_TRACING: no middleware at all
     assert not tracked(pump)  # nor register itself in the process-wide collector
 
 
@@ -32,9 +34,10 @@ async def test_assemble_wires_tracing_and_the_metrics_export(
 ) -> None:
     broker = MemoryBroker().connect()
     traced = assemble(make_settings(tracing=True), broker, engine, credit_registry())
-    assert traced.tracing is not None and tracked(traced)
+    kinds = [type(middleware) for middleware in traced.middleware]
+    assert Tracing in kinds and Timing in kinds and tracked(traced)
     plain = assemble(make_settings(), broker, engine, credit_registry())
-    assert plain.tracing is None and tracked(plain)
+    assert [type(middleware) for middleware in plain.middleware] == [Timing] and tracked(plain)
 
 
 async def test_running_consumes_inside_the_block_and_stops_on_the_way_out(

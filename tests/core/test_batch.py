@@ -334,11 +334,9 @@ class PartitionedConsumer(MemoryConsumer):
         delivery: Delivery = flight.delivery
         delivery.group = delivery.headers.get("p")
 
-        async def store(session: Any, message_id: str | None = delivery.message_id) -> None:
-            assert session.in_transaction()
-            self.stored.append(str(message_id))
-
-        delivery.in_transaction = store
+    async def in_commit(self, session: Any, handles: Sequence[Any]) -> None:
+        assert session.in_transaction()
+        self.stored.extend(str(handle.delivery.message_id) for handle in handles)
 
 
 async def test_a_batch_keeps_to_one_group_in_receive_order_and_stores_each_commit(
@@ -378,39 +376,36 @@ async def test_a_batch_keeps_to_one_group_in_receive_order_and_stores_each_commi
     assert await balances(engine) == {"a": Decimal(11)}
 
 
-async def test_what_batch_mode_leaves_to_the_per_message_path(make_settings: MakeSettings) -> None:
-    from worker.batch import BatchRunner
-    from worker.db import create_engine
-    from worker.pump import Pump
+async def test_what_batch_mode_leaves_to_the_per_message_path(
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
+) -> None:
+    """First deliveries share batches; a suspect (taken back from a consumer that died
+    holding it) runs with nothing beside it."""
+    calls: list[list[str]] = []
+    registry = Registry()
 
-    registry = credit_registry("orm")
-    registry.handler("Keyed", CreditRequested, consumer="keyed", key=lambda m: m.account_id)(
-        apply_credit
-    )
-    engine = create_engine("sqlite+aiosqlite:///unused.db")
+    @registry.handler("Credit", CreditRequested, consumer="credit", batch=True)
+    async def credit(ctx: BatchContext, messages: Sequence[CreditRequested]) -> None:
+        calls.append(list(ctx.message_ids))
+        await upsert_credits(ctx, messages)
+
     broker = MemoryBroker()
-    consumer = broker.connect()
-    try:
-        settings = make_settings(batch_size=8, delivery_counts="database", max_deliveries=3)
-        runner = BatchRunner(Pump(consumer, engine, registry, settings))
-
-        def delivery(message_id: str | None, type_: str, count: int = 1) -> Delivery:
-            return Delivery(message_id, type_, body("a", "1"), {}, count, consumer, None)
-
-        assert runner.key(delivery("m", "Credit")) == ("Credit", None)
-        assert runner.key(delivery("m", "Keyed")) is None  # keyed: one at a time
-        assert runner.key(delivery(None, "Credit")) is None  # no id: dead-lettered there
-        assert runner.key(delivery("m", "Credit", count=2)) is None  # counted in the database
-        assert runner.key(delivery("m", "Credit", count=4)) is None  # past the limit
-        assert runner.key(delivery("m", "NoSuchType")) is None
-        broker_counts = BatchRunner(
-            Pump(consumer, engine, registry, make_settings(batch_size=8, max_deliveries=3))
-        )
-        # a redelivery may have killed its last batch: it runs alone, not with new neighbours
-        assert broker_counts.key(delivery("m", "Credit", count=2)) is None
-        assert broker_counts.key(delivery("m", "Credit")) == ("Credit", None)
-    finally:
-        await engine.dispose()
+    broker.publish("suspect", "Credit", body("a", "1"))
+    crashed = broker.connect()
+    await crashed.start(prefetch=1)
+    await crashed.receive()
+    crashed.crash()  # died holding it: it comes back a suspect
+    for n in range(4):
+        broker.publish(f"m-{n}", "Credit", body("a", "1"))
+    settings = make_settings(batch_size=8, batch_wait=0.2, concurrency=2)
+    async with run_pumps([broker.connect()], [engine], registry, settings):
+        await broker.wait_idle(20)
+    assert ["suspect"] in calls  # alone
+    assert sorted(m for call in calls for m in call if m != "suspect") == [
+        f"m-{n}" for n in range(4)
+    ]
+    assert [call for call in calls if "suspect" in call] == [["suspect"]]
+    assert await balances(engine) == {"a": Decimal(5)}
 
 
 async def test_one_group_runs_one_batch_at_a_time_in_order_while_groups_overlap(

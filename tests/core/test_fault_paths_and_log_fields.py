@@ -51,7 +51,8 @@ class Faulty:
 
     - ``twice``: the same Delivery object is handed to the pump a second time;
     - ``guard``: the adapter settles, then its own settle-once guard fires anyway;
-    - ``bad_type``: the first delivery carries an unusable (unhashable) type;
+    - ``keep_alive_fails``: the adapter's ``keep_alive`` raises on the first delivery (a bug
+      outside any handler, met inside the unit of work);
     - ``nack_fails`` / ``ack_fails``: the verb gives the message back / acks, then raises.
     """
 
@@ -78,9 +79,14 @@ class Faulty:
         if self.again:
             return self.again.pop()
         inner = await self.inner.receive()
-        kind: Any = [inner.type] if self._has("bad_type", inner) else inner.type
         outer = Delivery(
-            inner.message_id, kind, inner.body, inner.headers, inner.delivery_count, self, inner
+            inner.message_id,
+            inner.type,
+            inner.body,
+            inner.headers,
+            inner.delivery_count,
+            self,
+            inner,
         )
         if self._has("twice", inner):
             self.again.append(outer)
@@ -113,6 +119,8 @@ class Faulty:
         return []
 
     def keep_alive(self, handle: Delivery, seconds: float) -> None:
+        if self._has("keep_alive_fails", handle):
+            raise RuntimeError("adapter bug in keep_alive")
         handle.keep_alive(seconds)
 
     async def in_commit(self, session: Any, handles: Sequence[Delivery]) -> None:
@@ -154,8 +162,8 @@ async def test_an_adapter_whose_nack_raises_does_not_end_the_worker_loop(
     engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     broker = MemoryBroker()
-    # an unusable type makes the pump fail unexpectedly; its fallback nack then raises too
-    faulty = Faulty(broker.connect(), bad_type={"bug"}, nack_fails={"bug"})
+    # an adapter bug makes the unit of work fail unexpectedly; the nack then raises too
+    faulty = Faulty(broker.connect(), keep_alive_fails={"bug"}, nack_fails={"bug"})
     settings = make_settings(concurrency=1)  # one worker loop: it must survive
     with capture_logs() as logs:
         async with run_pumps([faulty], [engine], credit_registry("Credit"), settings) as [pump]:
@@ -166,7 +174,7 @@ async def test_an_adapter_whose_nack_raises_does_not_end_the_worker_loop(
     assert verbs(broker, "bug") == ["nack", "ack"]  # given back, then processed normally
     assert all(verbs(broker, f"after-{n}") == ["ack"] for n in range(3))
     assert pump.stats["settlement-failed"] == 1
-    [failed] = [line for line in logs if line["event"].startswith("fallback settlement failed")]
+    [failed] = [line for line in logs if line["event"].startswith("settlement failed")]
     assert failed["log_level"] == "error" and failed["message_id"] == "bug"
     assert failed["outcome"] == "settlement-failed"
 
@@ -184,7 +192,8 @@ async def test_an_adapter_whose_ack_raises_does_not_end_the_worker_loop(
             await broker.wait_idle(timeout=20)
     assert verbs(broker, "m-1") == ["ack"] and verbs(broker, "m-2") == ["ack"]
     assert pump.stats["committed"] == 2
-    assert [line["message_id"] for line in logs if line["event"] == "unexpected error"] == ["m-1"]
+    [failed] = [line for line in logs if line["event"].startswith("settlement failed")]
+    assert failed["message_id"] == "m-1" and failed["outcome"] == "settlement-failed"
 
 
 # -- (c) a handler's own refused connection is the message's failure ------------------------------
@@ -466,7 +475,7 @@ async def test_unexpected_error_lines_carry_attempt_and_outcome(
     engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
     broker = MemoryBroker()
-    faulty = Faulty(broker.connect(), bad_type={"bug"})
+    faulty = Faulty(broker.connect(), keep_alive_fails={"bug"})
     with capture_logs() as logs:
         async with run_pumps([faulty], [engine], credit_registry("Credit"), make_settings()):
             broker.publish("bug", "Credit", BODY)
@@ -501,9 +510,9 @@ async def test_paused_lines_carry_the_message_fields(
     finally:
         await engine.dispose()
     assert verbs(broker, "m-1") == ["nack", "ack"] and counts(broker, "m-1") == [1, 1]
-    [line] = [x for x in message_lines(logs, "m-1") if x["event"] == "paused"]
+    [line] = [x for x in message_lines(logs, "m-1") if x["event"] == "schema-behind"]
     assert_fields(line, consumer="report")
-    assert line["outcome"] == "paused"
+    assert line["outcome"] == "schema-behind"
 
 
 async def test_settlement_trouble_lines_carry_attempt_and_outcome(
@@ -518,7 +527,7 @@ async def test_settlement_trouble_lines_carry_attempt_and_outcome(
             await asyncio.sleep(0.6)  # past the broker's lock: the ack is refused
 
     broker = MemoryBroker(visibility_timeout=0.3)
-    faulty = Faulty(broker.connect(), twice={"twice"}, bad_type={"bug"}, nack_fails={"bug"})
+    faulty = Faulty(broker.connect(), twice={"twice"}, keep_alive_fails={"bug"}, nack_fails={"bug"})
     with capture_logs() as logs:
         async with run_pumps([faulty], [engine], registry, make_settings()) as [pump]:
             broker.publish("twice", "Credit", BODY)
@@ -531,7 +540,7 @@ async def test_settlement_trouble_lines_carry_attempt_and_outcome(
     assert pump.stats["settlement-lost"] >= 1 and pump.stats["settlement-failed"] >= 1
     for message_id, event in (
         ("twice", "bug: delivery settled twice"),
-        ("bug", "fallback settlement failed, broker will redeliver"),
+        ("bug", "settlement failed, broker will redeliver"),
         ("slow", "settlement lost, broker will redeliver"),
     ):
         [line, *_] = [x for x in message_lines(logs, message_id) if x["event"] == event]

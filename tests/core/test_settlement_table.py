@@ -314,10 +314,19 @@ async def test_opt_out_handler_writes_no_marker(
     assert await balance(engine, "a") == Decimal("1.50")
 
 
-async def test_past_max_deliveries_is_dead_lettered_before_running(
+async def held(broker: MemoryBroker, times: int) -> None:
+    """``times`` consumers take the next message and die holding it, never starting it."""
+    for _ in range(times):
+        crasher = broker.connect()
+        await crasher.start(prefetch=1)
+        await crasher.receive()
+        crasher.crash()
+
+
+async def test_past_max_deliveries_by_the_brokers_count_is_dead_lettered_before_running(
     engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
-    """A message that kills the process never reaches the failure path; its count does."""
+    """WORKER_DELIVERY_COUNTS=broker trusts the broker's count, returns included."""
     runs: list[int] = []
     registry = Registry()
 
@@ -327,16 +336,62 @@ async def test_past_max_deliveries_is_dead_lettered_before_running(
 
     broker = MemoryBroker()
     broker.publish("m1", "Credit", BODY)
-    for _ in range(3):  # three workers died while holding it
-        crasher = broker.connect()
-        await crasher.start(prefetch=1)
-        await crasher.receive()
-        crasher.crash()
-    async with run_pumps([broker.connect()], [engine], registry, make_settings(max_deliveries=3)):
+    await held(broker, 3)  # three workers died while holding it
+    settings = make_settings(max_deliveries=3, delivery_counts="broker")
+    async with run_pumps([broker.connect()], [engine], registry, settings):
         await broker.wait_idle(timeout=10)
     assert runs == []
     assert verbs(broker, "m1") == ["dead-letter"]
     assert "delivered 4 times" in broker.dead_letters[0].reason
+
+
+async def test_a_delivery_only_held_when_its_process_died_spends_no_count(
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
+) -> None:
+    """Counted in the database (the default), a delivery's count is the starts it had: three
+    deaths while it was only held leave it where its first delivery put it."""
+    runs: list[int] = []
+    registry = Registry()
+
+    @registry.handler("Credit", CreditRequested, consumer="credit")
+    async def credit(ctx: Context, message: CreditRequested) -> None:
+        runs.append(ctx.delivery_count)
+
+    broker = MemoryBroker()
+    broker.publish("m1", "Credit", BODY)
+    await held(broker, 3)
+    async with run_pumps([broker.connect()], [engine], registry, make_settings(max_deliveries=3)):
+        await broker.wait_idle(timeout=10)
+    assert runs == [2]  # the broker says 4; its first delivery is taken to have started
+    assert verbs(broker, "m1") == ["ack"]
+
+
+async def test_past_max_started_deliveries_is_dead_lettered_before_running(
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
+) -> None:
+    """A message whose starts killed the process three times never runs a fourth."""
+    runs: list[int] = []
+    registry = Registry()
+
+    @registry.handler("Credit", CreditRequested, consumer="credit")
+    async def credit(ctx: Context, message: CreditRequested) -> None:
+        runs.append(ctx.delivery_count)
+
+    async with engine.begin() as connection:  # three starts after the first were recorded
+        await connection.execute(
+            text(
+                "INSERT INTO delivery_counts (message_id, consumer, deliveries) "
+                "VALUES ('m1', 'credit', 3)"
+            )
+        )
+    broker = MemoryBroker()
+    broker.publish("m1", "Credit", BODY)
+    await held(broker, 1)  # the last death: it comes back a suspect
+    async with run_pumps([broker.connect()], [engine], registry, make_settings(max_deliveries=3)):
+        await broker.wait_idle(timeout=10)
+    assert runs == []
+    assert verbs(broker, "m1") == ["dead-letter"]
+    assert "delivered 5 times" in broker.dead_letters[0].reason
 
 
 @pytest.mark.parametrize("sqlstate", ["40001", "40P01"])

@@ -19,10 +19,13 @@ from opentelemetry.trace import SpanKind, StatusCode
 from handlers.credit import CreditRequested, apply_credit
 from tests.support.pumps import RunPump
 from worker import tracing
+from worker.brokers.memory import MemoryBroker
+from worker.db import create_engine
 from worker.errors import ConfigurationError
 from worker.registry import Registry
 from worker.settings import Settings
-from worker.tracing import GETTER, Tracing
+from worker.tracing import GETTER, Tracing, Transactions
+from worker.work import Item, Work
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -51,10 +54,17 @@ def provider(exporter: InMemorySpanExporter) -> TracerProvider:
     return provider
 
 
-async def settle_all(run: Any, provider: TracerProvider, *messages: tuple[Any, ...]) -> None:
-    async with run(registry()) as (pump, broker):
-        assert pump.tracing is None  # built where the process is assembled (cli.assemble)
-        pump.tracing = Tracing(pump.broker, pump.engine, tracer_provider=provider)
+async def settle_all(
+    run: Any, url: str, provider: TracerProvider, *messages: tuple[Any, ...]
+) -> None:
+    """Deliver ``messages`` through a pump with tracing attached, as ``cli.assemble`` does."""
+    engine = create_engine(url)  # for its dialect: the pump has its own
+    traced = Tracing(MemoryBroker().connect(), engine, tracer_provider=provider)
+    await engine.dispose()
+    async with run(registry(), middleware=[traced], stage_middleware=[traced.stages]) as (
+        _,
+        broker,
+    ):
         for message in messages:
             broker.publish(*message)
         await broker.wait_idle(timeout=10)
@@ -65,10 +75,10 @@ def by_name(spans: tuple[ReadableSpan, ...], name: str) -> list[ReadableSpan]:
 
 
 async def test_a_delivery_continues_the_producers_trace(
-    run_pump: RunPump, provider: TracerProvider, exporter: InMemorySpanExporter
+    run_pump: RunPump, sqlite_url: str, provider: TracerProvider, exporter: InMemorySpanExporter
 ) -> None:
     headers = {"traceparent": TRACEPARENT, "tracestate": "vendor=1"}
-    await settle_all(run_pump, provider, ("t-1", "CreditRequested", body(), headers))
+    await settle_all(run_pump, sqlite_url, provider, ("t-1", "CreditRequested", body(), headers))
 
     spans = exporter.get_finished_spans()
     [consumer] = by_name(spans, "process memory")
@@ -97,9 +107,9 @@ async def test_a_delivery_continues_the_producers_trace(
 
 
 async def test_without_a_traceparent_each_delivery_starts_a_trace_and_poison_is_an_error(
-    run_pump: RunPump, provider: TracerProvider, exporter: InMemorySpanExporter
+    run_pump: RunPump, sqlite_url: str, provider: TracerProvider, exporter: InMemorySpanExporter
 ) -> None:
-    await settle_all(run_pump, provider, ("t-2", "NoSuchType", body()))
+    await settle_all(run_pump, sqlite_url, provider, ("t-2", "NoSuchType", body()))
 
     [consumer] = by_name(exporter.get_finished_spans(), "process memory")
     assert consumer.parent is None
@@ -133,7 +143,7 @@ async def test_off_means_not_one_opentelemetry_call(
     monkeypatch.setattr(opentelemetry.propagate, "extract", forbidden)
 
     async with run_pump(registry()) as (pump, broker):
-        assert pump.tracing is None
+        assert not any(isinstance(m, Tracing | Transactions) for m in pump.middleware)
         headers = {"traceparent": TRACEPARENT}
         for n in range(20):
             broker.publish(f"off-{n}", "CreditRequested", body(), headers)
@@ -198,10 +208,10 @@ async def test_a_cancelled_delivery_ends_its_span(
         delivery_count = 2
         settled = None
 
-    async def hang(_delivery: Any) -> None:
+    async def hang(_work: Any) -> None:
         await asyncio.sleep(30)
 
-    task = asyncio.create_task(traced.delivery(FakeDelivery(), hang))  # type: ignore[arg-type]
+    task = asyncio.create_task(traced(Work([Item(FakeDelivery(), {})]), hang))  # type: ignore[arg-type]
     await asyncio.sleep(0.01)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

@@ -10,14 +10,13 @@ import os
 from collections import defaultdict
 from collections.abc import Sequence
 from decimal import Decimal
-from typing import Any
 
 from sqlalchemy import Numeric, bindparam, text
 
 from handlers.credit import CreditRequested, apply_credit
 from worker import handler
+from worker.context import BatchContext
 from worker.logs import get_logger
-from worker.registry import BatchContext
 
 # its own type: importing handlers.credit registers the keyed CreditRequested handler too
 handler("BatchCredit", CreditRequested, consumer="batch-credit")(apply_credit)
@@ -41,13 +40,15 @@ async def upsert_credits(ctx: BatchContext, messages: Sequence[CreditRequested])
 
 HOLD = os.environ.get("WORKER_TEST_HOLD_ACKS", "")
 if HOLD:
-    from worker.batch import BatchRunner
+    from worker.settle import Settlement
+    from worker.work import Work
 
-    settle = BatchRunner._settle
+    settle = Settlement.work
 
-    async def held(self: BatchRunner, items: Any) -> None:
-        get_logger().info("batch committed, acks held", size=len(items))
-        await asyncio.sleep(float(HOLD))
-        await settle(self, items)
+    async def held(self: Settlement, work: Work) -> None:
+        if work.batch:
+            get_logger().info("batch committed, acks held", size=len(work.items))
+            await asyncio.sleep(float(HOLD))
+        await settle(self, work)
 
-    BatchRunner._settle = held  # type: ignore[method-assign]
+    Settlement.work = held  # type: ignore[method-assign]

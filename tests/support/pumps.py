@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from worker.brokers import Broker
 from worker.brokers.memory import MemoryBroker
 from worker.db import create_engine
+from worker.middleware import StageMiddleware, WorkMiddleware
 from worker.pump import Pump
 from worker.registry import Registry
 from worker.settings import Settings
@@ -48,10 +49,20 @@ async def running_pump(
     *,
     name: str = "pump",
     start_within: float = START_WITHIN,
+    middleware: Sequence[WorkMiddleware] = (),
+    stage_middleware: Sequence[StageMiddleware] = (),
 ) -> AsyncIterator[Pump]:
     """``async with running_pump(broker, engine, registry, settings) as pump:`` one pump,
     consuming inside the block."""
-    pump = Pump(broker, engine, registry, settings, name=name)
+    pump = Pump(
+        broker,
+        engine,
+        registry,
+        settings,
+        name=name,
+        middleware=middleware,
+        stage_middleware=stage_middleware,
+    )
     async with pump.running(start_within) as running:
         yield running
 

@@ -335,12 +335,7 @@ class MemoryConsumer:
         return lost
 
     def keep_alive(self, handle: _Flight, seconds: float) -> None:
-        """With a visibility timeout, the lock is extended to ``seconds`` from now."""
-        if handle.timer is not None and handle.live:
-            handle.timer.cancel()
-            loop = asyncio.get_running_loop()
-            timeout = max(seconds, self.broker.visibility_timeout or 0.0)
-            handle.timer = loop.call_later(timeout, self.broker._expire, handle)
+        """Nothing: the visibility timeout, when set, is the test's lock and runs out as set."""
 
     async def in_commit(self, session: Any, handles: Sequence[_Flight]) -> None:
         """Nothing of the memory broker commits with the handler's transaction."""
