@@ -63,11 +63,11 @@ class Context:
         position in the handler, so a re-run publishes the same ids. ``key`` picks
         the Kafka partition and, with ``WORKER_OUTBOX_ORDERED``, the order.
         """
-        from worker import outbox
+        from worker.outbox.publish import add
 
         sequence = self._published
         self._published += 1
-        return await outbox.add(
+        return await add(
             self,
             sequence,
             message_type,

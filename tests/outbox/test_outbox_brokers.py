@@ -17,10 +17,10 @@ from tests.servicebus.sb_settings import sb_settings
 from tests.support.pumps import MakeSettings, RunPumps
 from tests.support.rabbitmq import MakeRabbitSettings
 from tests.support.tansu import Tansu
-from worker import outbox
 from worker.brokers.kafka import KafkaPublisher, header_message_id
 from worker.brokers.servicebus import ServiceBusPublisher
-from worker.outbox import Relay
+from worker.outbox.model import configure
+from worker.outbox.relay import Relay
 
 
 @pytest.mark.kafka
@@ -31,7 +31,7 @@ async def test_kafka_records_carry_the_id_and_keep_key_order(
     await create_topic(tansu.bootstrap, topic, 3)
     kafka = settings_for(tansu.bootstrap, topic)
     events = [("Seen", {"n": n}, f"key-{n % 4}", None) for n in range(40)]
-    outbox.configure(fast_outbox(destinations={"Seen": topic}))  # the default, per type
+    configure(fast_outbox(destinations={"Seen": topic}))  # the default, per type
     ids = await publish_rows(engine, "in-1", events, headers={"traceparent": "00-ab-cd-01"})
     publisher = KafkaPublisher(kafka, timeout=10.0)
     relay = Relay(engine, publisher, fast_outbox(ordered=True))
@@ -224,7 +224,7 @@ async def test_kafka_copies_of_a_republished_row_are_applied_once_downstream(
     topic = unique("credits")
     await create_topic(tansu.bootstrap, topic, 2)
     kafka = settings_for(tansu.bootstrap, topic)
-    outbox.configure(fast_outbox(destination=topic))
+    configure(fast_outbox(destination=topic))
     body = {"account_id": "k-acct", "amount": "1"}
     for n in range(10):
         await publish_rows(engine, f"order-{n}", [("CreditRequested", body, "k-acct", None)])

@@ -19,10 +19,10 @@ from tests.outbox.outbox_helpers import RecordingPublisher, RunningRelays, fast_
 from tests.support.processes import clean_env, run_cli
 from tests.support.pumps import MakeSettings, RunPumps
 from tests.support.waiting import wait_for
-from worker import outbox
 from worker.brokers.memory import MemoryBroker, MemoryPublisher
 from worker.db import create_engine
-from worker.outbox import OutboxMessage, Relay
+from worker.outbox.model import OutboxMessage
+from worker.outbox.relay import Relay, purge
 from worker.registry import Context, Registry
 
 
@@ -260,5 +260,5 @@ async def test_sent_rows_are_purged_after_the_retention_in_batches(
         await connection.execute(
             update(OutboxMessage).where(OutboxMessage.id <= 20).values(sent_at=old)
         )
-    assert await outbox.purge(engine, settings) == 20
+    assert await purge(engine, settings) == 20
     assert len(await outbox_rows(engine)) == 10
