@@ -4,8 +4,8 @@ A :class:`Relay` runs as a task in every ``worker run`` (:func:`start`, :func:`s
 or on its own in ``worker relay``. One round::
 
     claim a batch (a lease: lease_until, claimed_by; SKIP LOCKED on PostgreSQL), commit
-    publish, waiting for the broker's confirmation
-    mark the confirmed rows sent (or delete them); count a refusal against its row
+    publish, one call per destination, each waiting for the broker's confirmation
+    mark the confirmed rows sent (or delete them); count a failure against its own row
 
 A relay that dies after the broker confirmed and before the mark leaves its rows
 leased; once the lease runs out another relay (or the same one, restarted) sends
@@ -14,10 +14,14 @@ losing an event; a downstream inbox absorbs it, because the id is derived from
 (incoming message id, consumer, sequence number within the handler) and is the
 same on every re-run of the handler.
 
-A broker that cannot be reached spends no attempt (the rows are released and the
-relay backs off); a broker that refuses a row (unroutable, no such exchange, too
-large) counts an attempt, and after ``WORKER_OUTBOX_MAX_ATTEMPTS`` the row is
-parked: kept, listed by ``worker outbox``, retried by ``worker outbox --retry``.
+Each row is decided on its own result. A row the broker refuses (unroutable, no
+such exchange or topic, too large) counts an attempt. So does a row whose
+destination gave no answer in time while the broker confirmed another destination
+of the same round: the broker is serving, that destination is not. When nothing
+of the round was confirmed and some destination could not be reached, the broker
+may be away: those rows are released without spending an attempt and the relay backs
+off. After ``WORKER_OUTBOX_MAX_ATTEMPTS`` a row is parked: kept, listed by ``worker
+outbox``, retried by ``worker outbox --retry``.
 """
 
 from __future__ import annotations
@@ -73,7 +77,8 @@ PARKED_ROWS = Gauge("worker_outbox_parked", "Outbox rows parked after too many r
 PUBLISHED = Counter("worker_outbox_published", "Outbox rows the broker confirmed.")
 FAILED = Counter(
     "worker_outbox_failed",
-    "Outbox publishes that failed, by reason (refused: counted, unavailable: not).",
+    "Outbox publishes that failed, by reason (refused and unserved: counted against the "
+    "row; unavailable: not).",
     ["reason"],
 )
 
@@ -92,6 +97,21 @@ class BatchResult:
     refused: int
     parked: int
     unavailable: bool = False
+    """Some rows were released uncounted: the broker confirmed nothing of this round."""
+    unserved: int = 0
+    """Rows whose destination did not answer while another destination did (counted)."""
+    deferred: int = 0
+    """Rows not tried: their call could not have ended inside the lease (released)."""
+
+
+@dataclass(slots=True)
+class _Round:
+    """One round's rows, sorted by what the broker did with them."""
+
+    sent: list[Claimed]
+    refused: list[tuple[Claimed, str]]
+    unreachable: list[tuple[Claimed, BrokerUnavailable]]
+    deferred: list[Claimed]
 
 
 _COLUMNS = (
@@ -104,6 +124,11 @@ _COLUMNS = (
     _c.destination,
     _c.attempts,
 )
+
+
+def destination_of(message: Outgoing) -> str:
+    """Where a row goes, as the publishers read it: its destination, else its type."""
+    return message.destination if message.destination is not None else message.type
 
 
 class Relay:
@@ -122,12 +147,13 @@ class Relay:
         self.outbox = outbox or settings()
         self.name = name or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.postgres = engine.dialect.name == "postgresql"
-        self.stats: dict[str, int] = {"published": 0, "refused": 0, "parked": 0}
+        self.stats: dict[str, int] = {"published": 0, "refused": 0, "unserved": 0, "parked": 0}
         self._log = get_logger(component="outbox-relay", relay=self.name)
         self.task: asyncio.Task[None] | None = None  # set by :func:`start`
         self.running = False
         self._wakeup = asyncio.Event()
         self._stop = asyncio.Event()
+        self._unanswered: set[str] = set()  # destinations that gave no answer last round
 
     @property
     def ready(self) -> bool:
@@ -201,21 +227,48 @@ class Relay:
         claimed.sort(key=lambda c: c.id)
         return claimed
 
+    async def _publish(self, batch: Sequence[Claimed], started: float) -> _Round:
+        """One publish call per destination, one call at a time (a publisher connects on
+        its first call and promises nothing about calls that overlap).
+
+        A destination that hangs or fails takes only its own rows with it, and the
+        others' confirmations still count. Destinations that gave no answer last round
+        go last, so they cannot keep the others from being tried; a call that could no
+        longer end inside the lease is not started, and its rows wait for the next round.
+        """
+        groups: dict[str, list[Claimed]] = {}
+        for claimed in batch:
+            groups.setdefault(destination_of(claimed.message), []).append(claimed)
+        order = sorted(groups, key=lambda destination: destination in self._unanswered)
+        done = _Round([], [], [], [])
+        unanswered: set[str] = set()
+        for tried, destination in enumerate(order):
+            rows = groups[destination]
+            elapsed = time.perf_counter() - started
+            if tried and elapsed + self.outbox.publish_timeout >= self.outbox.lease:
+                done.deferred.extend(rows)
+                continue
+            try:
+                results = await self.publisher.publish([c.message for c in rows])
+            except BrokerUnavailable as exc:
+                unanswered.add(destination)
+                done.unreachable.extend((c, exc) for c in rows)
+                continue
+            for claimed, refusal in zip(rows, results, strict=True):
+                if refusal is None:
+                    done.sent.append(claimed)
+                else:
+                    done.refused.append((claimed, refusal))
+        self._unanswered = unanswered
+        return done
+
     async def run_once(self) -> BatchResult:
         """Claim, publish and settle one batch; ``claimed == 0``: nothing was due."""
         started = time.perf_counter()  # the lease runs from the claim
         batch = await self.claim()
         if not batch:
             return BatchResult(0, 0, 0, 0)
-        try:
-            results = await self.publisher.publish([c.message for c in batch])
-        except BrokerUnavailable as exc:
-            FAILED.labels("unavailable").inc(len(batch))
-            self._log.warning("outbox broker unavailable", rows=len(batch), error=str(exc))
-            await self._release(batch)
-            return BatchResult(len(batch), 0, 0, 0, unavailable=True)
-        sent = [c.id for c, result in zip(batch, results, strict=True) if result is None]
-        refused = [(c, r) for c, r in zip(batch, results, strict=True) if r is not None]
+        done = await self._publish(batch, started)
         took = time.perf_counter() - started
         if took > self.outbox.lease:  # another relay may have taken the rows over meanwhile
             self._log.warning(
@@ -224,14 +277,53 @@ class Relay:
                 seconds=round(took, 2),
                 lease=self.outbox.lease,
             )
-        await self.mark_sent(sent)
-        parked = await self._refused(refused) if refused else 0
-        PUBLISHED.inc(len(sent))
-        self.stats["published"] += len(sent)
+        await self.mark_sent([c.id for c in done.sent])
+        refused = list(done.refused)
+        unserved: list[tuple[Claimed, str]] = []
+        released = list(done.deferred)
+        if done.unreachable and done.sent:
+            # The broker confirmed other rows of this round: it is serving, this row's
+            # destination is not (a topic it won't serve, an entity that hangs).
+            unserved = [
+                (c, f"destination {destination_of(c.message)!r}: {exc}")
+                for c, exc in done.unreachable
+            ]
+        elif done.unreachable:  # nothing confirmed: the broker may be away, nobody's attempt
+            released += [c for c, _ in done.unreachable]
+            FAILED.labels("unavailable").inc(len(done.unreachable))
+            self._log.warning(
+                "outbox broker unavailable",
+                rows=len(done.unreachable),
+                error=str(done.unreachable[0][1]),
+            )
+        if released:
+            await self._release(released)
+        failed = refused + unserved
+        parked = await self._count_failures(failed) if failed else 0
+        FAILED.labels("refused").inc(len(refused))
+        FAILED.labels("unserved").inc(len(unserved))
+        PUBLISHED.inc(len(done.sent))
+        self.stats["published"] += len(done.sent)
         self.stats["refused"] += len(refused)
+        self.stats["unserved"] += len(unserved)
         self.stats["parked"] += parked
-        self._log.debug("outbox batch", sent=len(sent), refused=len(refused), s=took)
-        return BatchResult(len(batch), len(sent), len(refused), parked)
+        self._log.debug(
+            "outbox batch",
+            sent=len(done.sent),
+            refused=len(refused),
+            unserved=len(unserved),
+            released=len(released),
+            s=took,
+        )
+        return BatchResult(
+            len(batch),
+            len(done.sent),
+            len(refused),
+            parked,
+            unavailable=bool(done.unreachable) and not done.sent,
+            unserved=len(unserved),
+            deferred=len(done.deferred),
+        )
 
     async def mark_sent(self, ids: Sequence[int]) -> None:
         """The broker confirmed these: mark them sent (or delete them), in one statement."""
@@ -257,12 +349,13 @@ class Relay:
                 .values(lease_until=None)
             )
 
-    async def _refused(self, refused: Sequence[tuple[Claimed, str]]) -> int:
+    async def _count_failures(self, failed: Sequence[tuple[Claimed, str]]) -> int:
+        """One attempt each, a jittered wait before the next, parked at the limit."""
         outbox = self.outbox
         at = now()
         parked = 0
         async with self.engine.begin() as connection:
-            for claimed, reason in refused:
+            for claimed, reason in failed:
                 attempts = claimed.attempts + 1
                 park = attempts >= outbox.max_attempts
                 parked += park
@@ -287,7 +380,6 @@ class Relay:
                     reason=reason,
                     outcome="parked" if park else "refused",
                 )
-        FAILED.labels("refused").inc(len(refused))
         return parked
 
     # -- the loop --------------------------------------------------------------------
@@ -322,9 +414,9 @@ class Relay:
                         if result.unavailable:  # the broker: wait longer, a commit won't fix it
                             unavailable += 1
                             delay = max(delay, backoff(unavailable, 0.5, outbox.retry_backoff_max))
-                        elif result.claimed == outbox.batch:
+                        elif result.claimed == outbox.batch or result.deferred:
                             unavailable = 0
-                            delay = 0.0  # a full batch: more is likely due
+                            delay = 0.0  # a full batch, or rows left over: more is due
                         else:
                             unavailable = 0
                         if time.monotonic() >= next_gauges:
