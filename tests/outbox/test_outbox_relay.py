@@ -361,3 +361,29 @@ async def test_a_destination_that_timed_out_goes_last_and_no_round_outlives_its_
     assert [rows[i].state for i in good] == ["sent", "sent"]
     assert (rows[stuck[0]].state, rows[stuck[0]].attempts) == ("pending", 1)
     assert sorted(m.message_id for m in publisher.sent) == sorted(good)
+
+
+async def test_a_refusal_quoting_a_database_url_is_kept_and_listed_without_its_password(
+    engine: AsyncEngine, database_url: str, publisher: RecordingPublisher
+) -> None:
+    secret = "S3cr3tPassw0rd"
+    quoted = f"bridge to postgresql://ledger:{secret}@host/db refused it"
+    ids = await publish_rows(engine, "in-1", [("Seen", {"n": n}, None, None) for n in (1, 2)])
+    publisher.refuse = lambda m: quoted if m.message_id == ids[0] else None
+    relay = Relay(engine, publisher, fast_outbox())
+    assert (await relay.run_once()).refused == 1
+    masked = "bridge to postgresql://ledger:***@host/db refused it"
+    rows = {r.message_id: r for r in await outbox_rows(engine)}
+    assert rows[ids[0]].last_error == masked  # at rest
+    async with engine.begin() as connection:  # as a relay before the fix stored it
+        await connection.execute(
+            update(OutboxMessage)
+            .where(OutboxMessage.message_id == ids[1])
+            .values(state="parked", last_error=quoted)
+        )
+
+    env = {**clean_env(), "WORKER_DATABASE_URL": database_url, "WORKER_LOG_LEVEL": "ERROR"}
+    listed = run_cli(env, "outbox")
+    assert listed.returncode == 0, listed.stderr
+    assert secret not in listed.stdout + listed.stderr
+    assert [json.loads(line)["error"] for line in listed.stdout.splitlines()] == [masked, masked]

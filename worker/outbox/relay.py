@@ -45,7 +45,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from worker.brokers.publishers import Outgoing, Publisher, open_publisher
 from worker.db import classify
 from worker.errors import BrokerUnavailable
-from worker.logs import get_logger
+from worker.logs import get_logger, scrub
 from worker.outbox.model import (
     PARKED,
     PENDING,
@@ -368,7 +368,8 @@ class Relay:
                         state=PARKED if park else PENDING,
                         available_at=at + timedelta(seconds=delay),
                         lease_until=None,
-                        last_error=reason[:2000],
+                        # kept, and printed by `worker outbox`: no secret of a quoted URL
+                        last_error=scrub(reason)[:2000],
                     )
                 )
                 log = self._log.error if park else self._log.warning
