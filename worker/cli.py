@@ -460,7 +460,7 @@ async def sweep_command(
 
 # -- one line for every failure ----------------------------------------------------
 
-_DATABASE_COMMANDS = frozenset({"run", "migrate", "sweep", "purge-inbox"})
+_DATABASE_COMMANDS = frozenset({"run", "migrate", "sweep", "purge-inbox", "outbox", "relay"})
 _ASYNCPG_PREFIX = re.compile(r"^<class '[\w.]+'>: ")
 
 
