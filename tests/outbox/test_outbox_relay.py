@@ -387,3 +387,22 @@ async def test_a_refusal_quoting_a_database_url_is_kept_and_listed_without_its_p
     assert listed.returncode == 0, listed.stderr
     assert secret not in listed.stdout + listed.stderr
     assert [json.loads(line)["error"] for line in listed.stdout.splitlines()] == [masked, masked]
+
+
+async def test_a_stopping_relay_starts_no_further_call_and_releases_the_rest(
+    engine: AsyncEngine,
+) -> None:
+    """stop() waits for the call in flight, not for every destination after it: the
+    rows not yet tried are released, uncounted, for the next relay."""
+    settings = fast_outbox(lease=10.0, publish_timeout=1.0)
+    await publish_rows(engine, "in-0", [("Seen", {"n": 0}, None, "stuck")])
+    await publish_rows(engine, "in-1", [("Seen", {"n": 1}, None, "events")])
+    publisher = StuckDestinationTimesOut(settings.publish_timeout)
+    relay = Relay(engine, publisher, settings)
+    asyncio.get_running_loop().call_later(0.2, relay.stop)  # while the stuck call waits
+    result = await relay.run_once()
+    assert (result.sent, result.deferred) == (0, 1)
+    assert publisher.sent == []
+    assert {(r.state, r.attempts, r.lease_until) for r in await outbox_rows(engine)} == {
+        ("pending", 0, None)
+    }

@@ -153,7 +153,7 @@ class Relay:
         self.running = False
         self._wakeup = asyncio.Event()
         self._stop = asyncio.Event()
-        self._unanswered: set[str] = set()  # destinations that gave no answer last round
+        self._unanswered: set[str] = set()  # destinations whose last call got no answer
 
     @property
     def ready(self) -> bool:
@@ -232,34 +232,35 @@ class Relay:
         its first call and promises nothing about calls that overlap).
 
         A destination that hangs or fails takes only its own rows with it, and the
-        others' confirmations still count. Destinations that gave no answer last round
-        go last, so they cannot keep the others from being tried; a call that could no
-        longer end inside the lease is not started, and its rows wait for the next round.
+        others' confirmations still count. A destination whose last call got no answer
+        goes last, so it cannot keep the others from being tried. A call that could no
+        longer end inside the lease is not started, nor one after :meth:`stop`: its rows
+        are released for the next round.
         """
         groups: dict[str, list[Claimed]] = {}
         for claimed in batch:
             groups.setdefault(destination_of(claimed.message), []).append(claimed)
         order = sorted(groups, key=lambda destination: destination in self._unanswered)
         done = _Round([], [], [], [])
-        unanswered: set[str] = set()
         for tried, destination in enumerate(order):
             rows = groups[destination]
             elapsed = time.perf_counter() - started
-            if tried and elapsed + self.outbox.publish_timeout >= self.outbox.lease:
+            too_late = elapsed + self.outbox.publish_timeout >= self.outbox.lease
+            if tried and (too_late or self._stop.is_set()):  # stopping: within its grace
                 done.deferred.extend(rows)
                 continue
             try:
                 results = await self.publisher.publish([c.message for c in rows])
             except BrokerUnavailable as exc:
-                unanswered.add(destination)
+                self._unanswered.add(destination)
                 done.unreachable.extend((c, exc) for c in rows)
                 continue
+            self._unanswered.discard(destination)
             for claimed, refusal in zip(rows, results, strict=True):
                 if refusal is None:
                     done.sent.append(claimed)
                 else:
                     done.refused.append((claimed, refusal))
-        self._unanswered = unanswered
         return done
 
     async def run_once(self) -> BatchResult:
