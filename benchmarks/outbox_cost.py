@@ -31,12 +31,14 @@ from typing import Any
 from sqlalchemy import event
 
 from handlers.credit import CreditRequested, apply_credit
-from worker import logs, outbox
+from worker import logs
 from worker.brokers.memory import MemoryBroker, MemoryPublisher
 from worker.brokers.publishers import Outgoing, Publisher
 from worker.brokers.rabbitmq import RabbitMQPublisher, RabbitMQSettings
 from worker.db import create_engine
 from worker.migrate import upgrade
+from worker.outbox import model as outbox
+from worker.outbox.relay import Relay
 from worker.pump import Pump
 from worker.registry import Context, Registry
 from worker.settings import Settings
@@ -96,7 +98,7 @@ async def run(
     pump = Pump(broker.connect(), engine, registry(committed_at), settings, name="bench")
     timed = Timed(publisher, messages) if publisher is not None else None
     relay_settings = outbox.OutboxSettings(poll_interval=0.5, batch=200, purge_interval=0)
-    relay = outbox.Relay(engine, timed, relay_settings) if timed is not None else None
+    relay = Relay(engine, timed, relay_settings) if timed is not None else None
     tasks = [asyncio.create_task(pump.run())]
     if relay is not None:
         tasks.append(asyncio.create_task(relay.run()))

@@ -117,13 +117,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return asyncio.run(purge_command(settings))
         if args.command in ("relay", "outbox"):
-            from worker import outbox as outbox_tools
+            from worker.outbox.commands import outbox_command, relay_command
 
             if args.command == "relay":
-                return asyncio.run(outbox_tools.relay_command(settings, once=args.once))
-            return asyncio.run(
-                outbox_tools.outbox_command(settings, retry=args.retry, limit=args.limit)
-            )
+                return asyncio.run(relay_command(settings, once=args.once))
+            return asyncio.run(outbox_command(settings, retry=args.retry, limit=args.limit))
         from worker.demo import demo as run_demo
 
         logs.configure("ERROR", settings.log_format)  # the demo's output is its table
@@ -462,7 +460,7 @@ async def sweep_command(
 
 # -- one line for every failure ----------------------------------------------------
 
-_DATABASE_COMMANDS = frozenset({"run", "migrate", "sweep", "purge-inbox"})
+_DATABASE_COMMANDS = frozenset({"run", "migrate", "sweep", "purge-inbox", "outbox", "relay"})
 _ASYNCPG_PREFIX = re.compile(r"^<class '[\w.]+'>: ")
 
 
@@ -613,10 +611,11 @@ def assemble(settings: Settings, broker: Broker, engine: AsyncEngine, handlers: 
 
 
 async def _run(settings: Settings, signals: _Signals | None = None) -> int:
-    from worker import outbox, retention
+    from worker import retention
     from worker.brokers import open_broker
     from worker.db import create_engine, ping, redact, session_factory
     from worker.ops import start_ops
+    from worker.outbox import relay as outbox_relay
     from worker.registry import import_handlers, registry
 
     import_handlers(settings.handler_modules)
@@ -644,7 +643,7 @@ async def _run(settings: Settings, signals: _Signals | None = None) -> int:
 
         prepare_models(engine.dialect.name)  # an unusable version token stops us before any work
         pump = assemble(settings, broker, engine, registry)
-        relay = outbox.start(settings, engine, broker)  # beside the pump, never in its way
+        relay = outbox_relay.start(settings, engine, broker)  # beside the pump, never in its way
         ops = await start_ops(settings, pump)
         chores = retention.start(engine, session_factory(engine), registry, settings, log)
         try:
@@ -657,7 +656,7 @@ async def _run(settings: Settings, signals: _Signals | None = None) -> int:
             if chores is not None:  # purge and sweep: beside the ops server, not in the pump
                 chores.cancel()
                 await asyncio.gather(chores, return_exceptions=True)
-            await outbox.stop(relay)
+            await outbox_relay.stop(relay)
             if ops is not None:
                 await ops.stop()
     finally:

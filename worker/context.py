@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from worker.db import PumpSession
+from worker.outbox.publish import add as outbox_add
 
 
 class Context:
@@ -54,11 +55,9 @@ class Context:
         position in the handler, so a re-run publishes the same ids. ``key`` picks
         the Kafka partition and, with ``WORKER_OUTBOX_ORDERED``, the order.
         """
-        from worker import outbox
-
         sequence = self._published
         self._published += 1
-        return await outbox.add(
+        return await outbox_add(
             self,
             sequence,
             message_type,

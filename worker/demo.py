@@ -29,13 +29,14 @@ from typing import Any
 from sqlalchemy import Column, Integer, MetaData, Numeric, String, Table, func, select
 
 from handlers.credit import Account, CreditRequested, apply_credit, apply_credit_and_announce
-from worker import outbox
 from worker.brokers.memory import MemoryBroker, MemoryPublisher
 from worker.context import Context
 from worker.db import create_engine
 from worker.errors import Poison
 from worker.inbox import InboxMarker
 from worker.migrate import upgrade
+from worker.outbox import model as outbox
+from worker.outbox.relay import Relay
 from worker.pump import Pump
 from worker.registry import Registry
 from worker.settings import Settings
@@ -255,7 +256,7 @@ def outbox_registry() -> Registry:
     return registry
 
 
-class CrashingRelay(outbox.Relay):
+class CrashingRelay(Relay):
     """Dies (leaves its lease) after the broker confirmed a batch, ``crashes`` times."""
 
     def __init__(self, *args: Any, crashes: int, **kwargs: Any) -> None:

@@ -44,6 +44,7 @@ from worker import inbox
 from worker.concurrency import WRITTEN, RowChanged, format_pk, keys_in, stats
 from worker.db import Base, is_inbox_violation
 from worker.errors import Rejected, RowDeleted
+from worker.logs import scrub
 
 _STALE_TABLE = re.compile(r"^(?:UPDATE|DELETE) statement on table '([^']+)'")
 
@@ -140,7 +141,8 @@ async def record_rejection(
                 subject=exc.subject,
                 expected_version=exc.expected,
                 actual_version=exc.actual,
-                detail=(exc.detail or str(exc))[:2000],
+                # kept for operators to read: no secret a quoted URL or error carried
+                detail=scrub(exc.detail or str(exc))[:2000],
             )
         )
         await AsyncSession.commit(session)

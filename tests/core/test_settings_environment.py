@@ -16,7 +16,7 @@ from worker.brokers.kafka import KafkaSettings
 from worker.brokers.rabbitmq import RabbitMQSettings
 from worker.brokers.servicebus import ServiceBusSettings
 from worker.errors import ConfigurationError
-from worker.outbox import OutboxSettings
+from worker.outbox.model import OutboxSettings
 from worker.settings import Settings, check_environment, load, unknown_variables
 
 SETTINGS_CLASSES: list[type[BaseSettings]] = [

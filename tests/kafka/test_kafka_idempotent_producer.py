@@ -39,10 +39,11 @@ from tests.support.pumps import MakeSettings, engine_for, running_pump
 from tests.support.services import unavailable
 from tests.support.tansu import Tansu
 from tests.support.waiting import wait_for
-from worker import outbox
 from worker.brokers.kafka import KafkaConsumer, KafkaPublisher
 from worker.brokers.publishers import Outgoing
 from worker.errors import ConfigurationError
+from worker.outbox.model import configure
+from worker.outbox.relay import Relay
 
 
 @pytest.fixture(scope="module")
@@ -114,14 +115,14 @@ async def test_the_outbox_publisher_is_idempotent_and_publishes_each_row_once(
     topic = unique("events")
     mock.create_topic(topic, 3)
     events = [("Seen", {"n": n}, f"key-{n % 4}", topic) for n in range(30)]
-    outbox.configure(fast_outbox())
+    configure(fast_outbox())
     try:
         ids = await publish_rows(engine, "in-1", events)
     finally:
-        outbox.configure(None)
+        configure(None)
     kafka = settings_for(mock.bootstrap, topic, idempotent_producer=True)
     publisher = KafkaPublisher(kafka, timeout=10.0)
-    relay = outbox.Relay(engine, publisher, fast_outbox(batch=8))
+    relay = Relay(engine, publisher, fast_outbox(batch=8))
     before = init_producer_ids(mock)
     try:
         assert await relay.drain() == 30  # four batches through one producer

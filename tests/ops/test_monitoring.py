@@ -28,7 +28,7 @@ YAMLLINT_CONFIG = Path(__file__).with_name("yamllint.yaml")
 
 # Metrics another module exports once it exists; their alert and panels are in
 # place already, and the check below names them only if that module is absent.
-LATER = {"worker.outbox": {"worker_outbox_pending", "worker_outbox_parked",
+LATER = {"worker.outbox.relay": {"worker_outbox_pending", "worker_outbox_parked",
                            "worker_outbox_oldest_pending_seconds"}}  # fmt: skip
 ALERTS = {
     "WorkerDeadLettersGrowing": "10m",

@@ -8,17 +8,17 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from tests.outbox.outbox_helpers import RecordingPublisher, RunningRelays, fast_outbox
-from worker import outbox
-from worker.outbox import OutboxSettings
+from worker.outbox.model import OutboxSettings, configure
+from worker.outbox.relay import Relay
 
 
 @pytest.fixture(autouse=True)
 def outbox_settings() -> Iterator[OutboxSettings]:
     """Publishing defaults for the test (not the environment's), reset afterwards."""
     settings = fast_outbox()
-    outbox.configure(settings)
+    configure(settings)
     yield settings
-    outbox.configure(None)
+    configure(None)
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ def running_relays() -> RunningRelays:
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
-    async def run(relays: list[outbox.Relay]) -> AsyncIterator[list[outbox.Relay]]:
+    async def run(relays: list[Relay]) -> AsyncIterator[list[Relay]]:
         tasks = [asyncio.create_task(relay.run()) for relay in relays]
         try:
             yield relays

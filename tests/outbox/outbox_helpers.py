@@ -12,7 +12,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker.brokers.publishers import Outgoing
 from worker.errors import BrokerUnavailable
-from worker.outbox import OutboxMessage, OutboxSettings, Relay
+from worker.outbox.model import OutboxMessage, OutboxSettings
+from worker.outbox.relay import Relay
 
 RunningRelays = Callable[[list[Relay]], AbstractAsyncContextManager[list[Relay]]]
 """The ``running_relays`` fixture (tests/outbox/conftest.py): ``running_relays(relays)``."""

@@ -11,13 +11,14 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
-from worker import outbox
 from worker.brokers.publishers import open_publisher
 from worker.db import create_engine
+from worker.outbox.model import settings as outbox_settings
+from worker.outbox.relay import Relay
 from worker.settings import Settings, load
 
 
-class DiesBeforeMarking(outbox.Relay):
+class DiesBeforeMarking(Relay):
     async def mark_sent(self, ids: Sequence[int]) -> None:
         print(f"confirmed {len(ids)}", flush=True)
         await asyncio.sleep(60)  # the SIGKILL lands here
@@ -27,7 +28,7 @@ class DiesBeforeMarking(outbox.Relay):
 async def main() -> int:
     settings = load(Settings)
     engine = create_engine(settings.database_url, pool_size=2)
-    relay_settings = outbox.settings()
+    relay_settings = outbox_settings()
     publisher = open_publisher(settings, timeout=relay_settings.publish_timeout)
     relay = DiesBeforeMarking(engine, publisher, relay_settings, name="doomed")
     result = await relay.run_once()

@@ -17,10 +17,11 @@ from tests.servicebus.sb_settings import sb_settings
 from tests.support.pumps import MakeSettings, RunPumps
 from tests.support.rabbitmq import MakeRabbitSettings
 from tests.support.tansu import Tansu
-from worker import outbox
 from worker.brokers.kafka import KafkaPublisher, header_message_id
+from worker.brokers.publishers import Outgoing
 from worker.brokers.servicebus import ServiceBusPublisher
-from worker.outbox import Relay
+from worker.outbox.model import configure
+from worker.outbox.relay import Relay
 
 
 @pytest.mark.kafka
@@ -31,7 +32,7 @@ async def test_kafka_records_carry_the_id_and_keep_key_order(
     await create_topic(tansu.bootstrap, topic, 3)
     kafka = settings_for(tansu.bootstrap, topic)
     events = [("Seen", {"n": n}, f"key-{n % 4}", None) for n in range(40)]
-    outbox.configure(fast_outbox(destinations={"Seen": topic}))  # the default, per type
+    configure(fast_outbox(destinations={"Seen": topic}))  # the default, per type
     ids = await publish_rows(engine, "in-1", events, headers={"traceparent": "00-ab-cd-01"})
     publisher = KafkaPublisher(kafka, timeout=10.0)
     relay = Relay(engine, publisher, fast_outbox(ordered=True))
@@ -75,7 +76,8 @@ async def test_service_bus_sends_queue_and_topic_and_parks_a_missing_entity(
     publisher = ServiceBusPublisher(sb_settings(), bus.client, timeout=5.0)
     relay = Relay(engine, publisher, fast_outbox(max_attempts=2))
     try:
-        bus.fail("send", times=3)  # the namespace does not answer: nothing counts
+        # the namespace does not answer, three rounds of one send per destination: nothing counts
+        bus.fail("send", times=9)
         for _ in range(3):
             assert (await relay.run_once()).unavailable
         assert {r.attempts for r in await outbox_rows(engine)} == {0}
@@ -224,7 +226,7 @@ async def test_kafka_copies_of_a_republished_row_are_applied_once_downstream(
     topic = unique("credits")
     await create_topic(tansu.bootstrap, topic, 2)
     kafka = settings_for(tansu.bootstrap, topic)
-    outbox.configure(fast_outbox(destination=topic))
+    configure(fast_outbox(destination=topic))
     body = {"account_id": "k-acct", "amount": "1"}
     for n in range(10):
         await publish_rows(engine, f"order-{n}", [("CreditRequested", body, "k-acct", None)])
@@ -248,3 +250,56 @@ async def test_kafka_copies_of_a_republished_row_are_applied_once_downstream(
     async with engine.connect() as connection:
         balance = await connection.scalar(select(Account.balance).where(Account.id == "k-acct"))
     assert balance == Decimal(10)
+
+
+# Tansu creates any topic a producer names and cannot be told not to; a name Kafka does
+# not allow is the destination it will not serve instead. Its metadata answers
+# INVALID_TOPIC and aiokafka keeps asking until its request timeout, exactly as it does
+# for an unknown topic on a cluster with auto.create.topics.enable=false.
+UNSERVED_TOPIC = "no such topic!"
+
+
+@pytest.mark.kafka
+async def test_the_kafka_publisher_refuses_an_unserved_topic_within_its_timeout(
+    tansu: Tansu,
+) -> None:
+    """The producer's metadata wait ends before the publish timeout: the row is refused
+    (and counted), not the whole call given up as an unreachable broker."""
+    publisher = KafkaPublisher(settings_for(tansu.bootstrap, unique("t")), timeout=2.0)
+    outgoing = Outgoing("m-1", "Seen", b"{}", destination=UNSERVED_TOPIC)
+    try:
+        async with asyncio.timeout(2.5):
+            (refusal,) = await publisher.publish([outgoing])
+    finally:
+        await publisher.close()
+    assert refusal is not None and "UnknownTopicOrPartitionError" in refusal
+    assert repr(UNSERVED_TOPIC) in refusal
+
+
+@pytest.mark.kafka
+async def test_kafka_rows_for_a_topic_the_broker_will_not_serve_are_parked_alone(
+    engine: AsyncEngine, tansu: Tansu
+) -> None:
+    """One row whose topic cannot be served no longer stalls the relay: the good rows of
+    its batch go out once and are marked sent, and it is parked after its attempts."""
+    topic = unique("events")
+    await create_topic(tansu.bootstrap, topic, 1)
+    good = [("Seen", {"n": n}, None, topic) for n in range(4)]
+    bad = ("Seen", {"n": 9}, None, UNSERVED_TOPIC)
+    ids = await publish_rows(engine, "in-1", [good[0], good[1], bad, good[2], good[3]])
+    publisher = KafkaPublisher(settings_for(tansu.bootstrap, topic), timeout=2.0)
+    relay = Relay(engine, publisher, fast_outbox(max_attempts=3, publish_timeout=2.0))
+    try:
+        for _ in range(6):  # bounded: three rounds are enough when each row is decided alone
+            await relay.run_once()
+    finally:
+        await publisher.close()
+    rows = {r.message_id: r for r in await outbox_rows(engine)}
+    parked = rows[ids[2]]
+    assert (parked.state, parked.attempts) == ("parked", 3)
+    assert repr(UNSERVED_TOPIC) in parked.last_error
+    assert {rows[i].state for i in ids if i != ids[2]} == {"sent"}
+    records, _ = await read_all(tansu.bootstrap, topic, 1)
+    assert sorted(header(r, "message-id") or "" for r in records) == sorted(
+        i for i in ids if i != ids[2]
+    )  # each good row once

@@ -15,7 +15,7 @@ from handlers.credit import Account, CreditRequested, apply_credit
 from tests.outbox.outbox_helpers import outbox_rows
 from tests.support.pumps import MakeSettings, RunPumps
 from worker.brokers.memory import MemoryBroker
-from worker.outbox import outgoing_id
+from worker.outbox.publish import outgoing_id
 from worker.registry import Context, Registry
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

@@ -23,7 +23,8 @@ from tests.support.waiting import wait_for
 from worker.brokers import OutgoingMessage
 from worker.brokers.rabbitmq import RabbitMQPublisher, RabbitMQSettings
 from worker.db import create_engine
-from worker.outbox import Relay, outgoing_id
+from worker.outbox.publish import outgoing_id
+from worker.outbox.relay import Relay
 from worker.registry import Context, Registry
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.postgres, pytest.mark.slow]

@@ -7,7 +7,7 @@ import json
 import random
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -15,14 +15,22 @@ from pydantic import BaseModel
 from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tests.outbox.outbox_helpers import RecordingPublisher, RunningRelays, fast_outbox, outbox_rows
+from tests.outbox.outbox_helpers import (
+    RecordingPublisher,
+    RunningRelays,
+    fast_outbox,
+    outbox_rows,
+    publish_rows,
+)
 from tests.support.processes import clean_env, run_cli
 from tests.support.pumps import MakeSettings, RunPumps
 from tests.support.waiting import wait_for
-from worker import outbox
 from worker.brokers.memory import MemoryBroker, MemoryPublisher
+from worker.brokers.publishers import Outgoing
 from worker.db import create_engine
-from worker.outbox import OutboxMessage, Relay
+from worker.errors import BrokerUnavailable
+from worker.outbox.model import OutboxMessage
+from worker.outbox.relay import Relay, purge
 from worker.registry import Context, Registry
 
 
@@ -260,5 +268,141 @@ async def test_sent_rows_are_purged_after_the_retention_in_batches(
         await connection.execute(
             update(OutboxMessage).where(OutboxMessage.id <= 20).values(sent_at=old)
         )
-    assert await outbox.purge(engine, settings) == 20
+    assert await purge(engine, settings) == 20
     assert len(await outbox_rows(engine)) == 10
+
+
+class OneDestinationHangs(RecordingPublisher):
+    """A producer whose sends to ``stuck`` never get an answer: the other messages of the
+    call go out, and the call as a whole gives up (aiokafka's sends under one timeout)."""
+
+    async def publish(self, messages: Sequence[Outgoing]) -> list[str | None]:
+        served = await super().publish([m for m in messages if m.destination != "stuck"])
+        if len(served) < len(messages):
+            raise BrokerUnavailable("kafka: no acks within 2.0s")
+        return served
+
+
+async def test_a_destination_that_never_answers_costs_only_its_own_rows(
+    engine: AsyncEngine,
+) -> None:
+    """While other rows keep going out, the stuck row counts an attempt per round and is
+    parked; the good rows of its batches go out once, and are marked sent, instead of
+    heading every round again."""
+    events = [("Seen", {"n": n}, None, "events") for n in range(4)]
+    ids = await publish_rows(engine, "in-0", [*events, ("Seen", {"n": 9}, None, "stuck")])
+    publisher = OneDestinationHangs()
+    relay = Relay(engine, publisher, fast_outbox(max_attempts=3))
+    first = await relay.run_once()
+    assert (first.sent, first.unserved, first.unavailable) == (4, 1, False)
+    for n in range(1, 6):  # more traffic: a new row beside the stuck one, round after round
+        ids += await publish_rows(engine, f"in-{n}", [("Seen", {"n": n}, None, "events")])
+        await relay.run_once()
+    rows = {r.message_id: r for r in await outbox_rows(engine)}
+    good = [i for i in ids if i != ids[4]]
+    assert sorted(m.message_id for m in publisher.sent) == sorted(good)  # each once
+    assert {rows[i].state for i in good} == {"sent"}
+    stuck = rows[ids[4]]
+    assert (stuck.state, stuck.attempts) == ("parked", 3)
+    assert stuck.last_error == "destination 'stuck': kafka: no acks within 2.0s"
+
+
+async def test_a_destination_that_never_answers_alone_spends_no_attempt(
+    engine: AsyncEngine,
+) -> None:
+    """Nothing of the round was confirmed: the broker may be away, so nothing counts."""
+    ids = await publish_rows(engine, "in-1", [("Seen", {"n": 1}, None, "stuck")])
+    relay = Relay(engine, OneDestinationHangs(), fast_outbox(max_attempts=1))
+    for _ in range(3):
+        assert (await relay.run_once()).unavailable
+    (row,) = await outbox_rows(engine)
+    assert (row.message_id, row.state, row.attempts, row.lease_until) == (
+        ids[0],
+        "pending",
+        0,
+        None,
+    )
+
+
+class StuckDestinationTimesOut(RecordingPublisher):
+    """Sends to ``stuck`` wait for the whole publish timeout, then give up, as a publisher
+    does when no confirmation comes; every other call is answered at once."""
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__()
+        self.timeout = timeout
+
+    async def publish(self, messages: Sequence[Outgoing]) -> list[str | None]:
+        if any(m.destination == "stuck" for m in messages):
+            await asyncio.sleep(self.timeout)
+            raise BrokerUnavailable(f"no confirms within {self.timeout}s")
+        return await super().publish(messages)
+
+
+async def test_a_destination_that_timed_out_goes_last_and_no_round_outlives_its_lease(
+    engine: AsyncEngine,
+) -> None:
+    """Destinations are published one after another. A call that could not end inside
+    the lease is not started (its rows wait, uncounted), and a destination that gave no
+    answer goes last next round, so an old stuck row cannot keep the others out."""
+    settings = fast_outbox(lease=3.0, publish_timeout=2.0, max_attempts=5)
+    stuck = await publish_rows(engine, "in-0", [("Seen", {"n": 0}, None, "stuck")])
+    good = await publish_rows(engine, "in-1", [("Seen", {"n": n}, None, "events") for n in (1, 2)])
+    publisher = StuckDestinationTimesOut(settings.publish_timeout)
+    relay = Relay(engine, publisher, settings)
+    started = time.monotonic()
+    first = await relay.run_once()
+    assert time.monotonic() - started < settings.lease  # the second call would not fit
+    assert (first.sent, first.deferred, first.unavailable) == (0, 2, True)
+    assert {r.attempts for r in await outbox_rows(engine)} == {0}  # nobody's attempt yet
+    second = await relay.run_once()
+    assert (second.sent, second.unserved) == (2, 1)  # the others first, then the stuck one
+    rows = {r.message_id: r for r in await outbox_rows(engine)}
+    assert [rows[i].state for i in good] == ["sent", "sent"]
+    assert (rows[stuck[0]].state, rows[stuck[0]].attempts) == ("pending", 1)
+    assert sorted(m.message_id for m in publisher.sent) == sorted(good)
+
+
+async def test_a_refusal_quoting_a_database_url_is_kept_and_listed_without_its_password(
+    engine: AsyncEngine, database_url: str, publisher: RecordingPublisher
+) -> None:
+    secret = "S3cr3tPassw0rd"
+    quoted = f"bridge to postgresql://ledger:{secret}@host/db refused it"
+    ids = await publish_rows(engine, "in-1", [("Seen", {"n": n}, None, None) for n in (1, 2)])
+    publisher.refuse = lambda m: quoted if m.message_id == ids[0] else None
+    relay = Relay(engine, publisher, fast_outbox())
+    assert (await relay.run_once()).refused == 1
+    masked = "bridge to postgresql://ledger:***@host/db refused it"
+    rows = {r.message_id: r for r in await outbox_rows(engine)}
+    assert rows[ids[0]].last_error == masked  # at rest
+    async with engine.begin() as connection:  # as a relay before the fix stored it
+        await connection.execute(
+            update(OutboxMessage)
+            .where(OutboxMessage.message_id == ids[1])
+            .values(state="parked", last_error=quoted)
+        )
+
+    env = {**clean_env(), "WORKER_DATABASE_URL": database_url, "WORKER_LOG_LEVEL": "ERROR"}
+    listed = run_cli(env, "outbox")
+    assert listed.returncode == 0, listed.stderr
+    assert secret not in listed.stdout + listed.stderr
+    assert [json.loads(line)["error"] for line in listed.stdout.splitlines()] == [masked, masked]
+
+
+async def test_a_stopping_relay_starts_no_further_call_and_releases_the_rest(
+    engine: AsyncEngine,
+) -> None:
+    """stop() waits for the call in flight, not for every destination after it: the
+    rows not yet tried are released, uncounted, for the next relay."""
+    settings = fast_outbox(lease=10.0, publish_timeout=1.0)
+    await publish_rows(engine, "in-0", [("Seen", {"n": 0}, None, "stuck")])
+    await publish_rows(engine, "in-1", [("Seen", {"n": 1}, None, "events")])
+    publisher = StuckDestinationTimesOut(settings.publish_timeout)
+    relay = Relay(engine, publisher, settings)
+    asyncio.get_running_loop().call_later(0.2, relay.stop)  # while the stuck call waits
+    result = await relay.run_once()
+    assert (result.sent, result.deferred) == (0, 1)
+    assert publisher.sent == []
+    assert {(r.state, r.attempts, r.lease_until) for r in await outbox_rows(engine)} == {
+        ("pending", 0, None)
+    }

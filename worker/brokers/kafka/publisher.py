@@ -1,6 +1,6 @@
 """The outbox relay's publisher on Kafka: ``acks=all`` sends, a verdict per message.
 
-The relay (:mod:`worker.outbox`) opens it through
+The relay (:mod:`worker.outbox.relay`) opens it through
 :func:`worker.brokers.publishers.open_publisher`; it lives with the adapter so that the
 relay of a worker on another broker never imports aiokafka.
 """
@@ -44,7 +44,11 @@ class KafkaPublisher:
 
     async def _started(self) -> Any:
         if self._producer is None:
-            self._producer = await start_producer(self.kafka)
+            # A send waits for its topic's metadata and its ack at most half the publish
+            # timeout (a metadata round trip may follow that wait), so a topic the broker
+            # won't serve comes back as that row's refusal, UnknownTopicOrPartitionError,
+            # before the timeout below gives up on the whole call as an unreachable broker.
+            self._producer = await start_producer(self.kafka, request_timeout=self.timeout / 2)
         return self._producer
 
     def headers(self, message: Outgoing) -> list[tuple[str, bytes]]:

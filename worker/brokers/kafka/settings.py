@@ -151,11 +151,16 @@ def load_kafka_settings() -> KafkaSettings:
     return kafka
 
 
-async def start_producer(kafka: KafkaSettings) -> Any:
-    """A started ``acks=all`` producer (idempotent unless switched off), or a one-line error."""
-    producer = AIOKafkaProducer(
-        acks="all", enable_idempotence=kafka.idempotent_producer, **kafka.client_options()
-    )
+async def start_producer(kafka: KafkaSettings, *, request_timeout: float | None = None) -> Any:
+    """A started ``acks=all`` producer (idempotent unless switched off), or a one-line error.
+
+    ``request_timeout`` bounds a send's wait for metadata and for its ack (aiokafka's
+    40 s when None).
+    """
+    options = kafka.client_options()
+    if request_timeout is not None:
+        options["request_timeout_ms"] = max(1, int(request_timeout * 1000))
+    producer = AIOKafkaProducer(acks="all", enable_idempotence=kafka.idempotent_producer, **options)
     try:
         await producer.start()
     except KafkaError as exc:
