@@ -287,8 +287,7 @@ def test_keda_and_the_worker_use_different_service_bus_credentials() -> None:
         if "secretRef" in source
     }
     assert ref["name"] not in worker_secrets
-    install = " ".join(rest for keyword, rest in stages(dockerfile_instructions())[0])
-    assert "azure" in install.split('".[', 1)[1].split("]", 1)[0]  # the workload-identity path
+    assert "azure-identity" in locked()  # the image's workload-identity path ([azure])
 
 
 # -- 11: NetworkPolicies ------------------------------------------------------------------
@@ -481,40 +480,46 @@ def test_the_namespace_component_enforces_the_restricted_pod_security_level(
             assert context["capabilities"]["drop"] == ["ALL"]
 
 
-# -- gaps: the image's dependency lock -------------------------------------------------
+# -- the image: a hash-locked dependency layer before the source, a base pinned by digest --
 
 
-def constraints() -> dict[str, str]:
-    pins: dict[str, str] = {}
-    for line in (DEPLOY / "constraints.txt").read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            name, _, version = line.partition("==")
+def locked() -> dict[str, tuple[str, list[str]]]:
+    """deploy/requirements.lock: name -> (version, its sha256 hashes)."""
+    pins: dict[str, tuple[str, list[str]]] = {}
+    name = ""
+    for raw in (DEPLOY / "requirements.lock").read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if not raw.startswith(" "):
+            spec, _, _ = line.partition(" ")
+            name, _, version = spec.partition("==")
             assert version, f"not a pin: {line}"
-            pins[canonicalize_name(name)] = version
+            pins[canonicalize_name(name)] = (version, [])
+        elif line.startswith("--hash=sha256:"):
+            pins[canonicalize_name(name)][1].append(line.split(":", 1)[1].rstrip(" \\"))
     return pins
 
 
-def test_the_image_build_installs_from_a_lock_that_pins_every_dependency() -> None:
+def test_the_image_installs_every_dependency_from_a_hash_locked_file() -> None:
     import tomllib
 
     build = stages(dockerfile_instructions())[0]
-    runs = " ".join(rest for keyword, rest in build if keyword == "RUN")
-    assert "-c constraints.txt" in runs
-    copies = " ".join(rest for keyword, rest in build if keyword == "COPY")
-    assert "deploy/constraints.txt" in copies
-    pins = constraints()
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    wanted = [*project["dependencies"]]
+    runs = [rest for keyword, rest in build if keyword == "RUN"]
+    assert any("--require-hashes -r requirements.lock" in r and "--no-deps" in r for r in runs)
+    pins = locked()
+    for name, (_version, hashes) in pins.items():
+        assert hashes and all(len(h) == 64 for h in hashes), name
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    wanted = [*project["project"]["dependencies"], *project["build-system"]["requires"]]
     for extra in ("otel", "azure"):  # what the image installs
-        wanted += project["optional-dependencies"][extra]
+        wanted += project["project"]["optional-dependencies"][extra]
     for spec in wanted:
         requirement = Requirement(spec)
         name = canonicalize_name(requirement.name)
-        assert name in pins, f"{name} is not pinned"
-        assert requirement.specifier.contains(pins[name], prereleases=True), (spec, pins[name])
-    # the pins are closed: what a pinned distribution needs is pinned too (checked with
-    # the metadata of the distributions installed here)
+        assert name in pins, f"{name} is not locked"
+        assert requirement.specifier.contains(pins[name][0], prereleases=True), (spec, pins[name])
+    # closed: what a locked distribution needs is locked too (by the metadata installed here)
     for pinned in pins:
         try:
             requires = metadata.requires(pinned) or []
@@ -527,6 +532,34 @@ def test_the_image_build_installs_from_a_lock_that_pins_every_dependency() -> No
             ):
                 continue
             assert canonicalize_name(requirement.name) in pins, f"{pinned} needs {spec}"
+
+
+def test_the_package_is_built_offline_after_the_dependency_layer() -> None:
+    """A code change must not reinstall the dependencies: the lock is copied and installed
+    before any source is copied, and the package itself installs with nothing fetched."""
+    build = stages(dockerfile_instructions())[0]
+    keywords = [(keyword, rest) for keyword, rest in build if keyword in ("COPY", "RUN")]
+    lock = next(i for i, (k, r) in enumerate(keywords) if k == "COPY" and "requirements.lock" in r)
+    deps = next(i for i, (k, r) in enumerate(keywords) if k == "RUN" and "--require-hashes" in r)
+    sources = [i for i, (k, r) in enumerate(keywords) if k == "COPY" and (
+        "worker" in r.split() or "pyproject.toml" in r)]  # fmt: skip
+    assert lock < deps < min(sources)
+    [package] = [r for k, r in keywords if k == "RUN" and "--no-build-isolation" in r]
+    assert "--no-index" in package and "--no-deps" in package
+
+
+def test_the_base_image_is_pinned_by_digest_and_the_revision_reaches_the_worker() -> None:
+    import re
+
+    instructions = dockerfile_instructions()
+    base = next(rest for keyword, rest in instructions if keyword == "ARG")
+    assert re.fullmatch(r"PYTHON_IMAGE=python:3\.12-slim-bookworm@sha256:[0-9a-f]{64}", base)
+    final = stages(instructions)[-1]
+    assert ("ARG", "REVISION=unknown") in final
+    from worker.metrics import REVISION_VARIABLE
+
+    assert ("ENV", f"{REVISION_VARIABLE}=${{REVISION}}") in final
+    assert not REVISION_VARIABLE.startswith("WORKER_")  # no setting: no unknown-variable warning
 
 
 # -- renaming: a prefix and an instance label, two instances in one namespace ------------
