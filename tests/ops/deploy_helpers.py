@@ -315,7 +315,7 @@ def helm_render(
     with helm().Chart.load(str(CHART)) as chart:
         chart.validate_schema(chosen)
         rendered = chart.render(chosen, name=release, namespace=namespace, is_install=True)
-    docs = []
+    docs: list[dict[str, Any]] = []
     for path, text in sorted(rendered.items()):
         if path.endswith(".yaml"):
             docs.extend(doc for doc in yaml.safe_load_all(text) if doc)

@@ -25,11 +25,11 @@ from packaging.utils import canonicalize_name
 from tests.ops.deploy_helpers import (
     COMPOSE,
     DEPLOY,
-    connections_per_pod,
     OVERLAYS,
     REPO,
     compose,
     config,
+    connections_per_pod,
     dockerfile_instructions,
     one,
     render,

@@ -262,8 +262,14 @@ def test_the_dashboard_shows_what_operators_asked_for() -> None:
 def test_the_monitoring_yaml_passes_yamllint() -> None:
     tool = require_command("yamllint", "pip install -e '.[test]'")
     result = subprocess.run(
-        [tool, "-c", str(YAMLLINT_CONFIG), "-f", "parsable", str(RULES), str(RULE_TESTS),
-         str(CHART_RULES)],  # fmt: skip
+        [
+            tool,
+            "-c",
+            str(YAMLLINT_CONFIG),
+            "-f",
+            "parsable",
+            *map(str, (RULES, RULE_TESTS, CHART_RULES)),
+        ],
         capture_output=True,
         text=True,
         timeout=60,

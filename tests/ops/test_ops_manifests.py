@@ -112,9 +112,7 @@ def test_every_manifest_file_is_part_of_a_kustomization() -> None:
     manifests = {
         p.resolve()
         for p in manifest_files()
-        if p.name != "kustomization.yaml"
-        and "compose" not in p.parts
-        and "helm" not in p.parts
+        if p.name != "kustomization.yaml" and "compose" not in p.parts and "helm" not in p.parts
     }
     # the Secret stays out on purpose: re-applying must never overwrite real credentials
     unused = {p.name for p in manifests - used}
