@@ -47,6 +47,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         epilog="Settings come from WORKER_* environment variables; see README.md.",
         formatter_class=_OneLinePerCommand,
     )
+    from worker.metrics import build_identity
+
+    parser.add_argument(
+        "--version",
+        action="version",
+        version="%(prog)s {} (revision {})".format(*build_identity()),
+    )
     commands = parser.add_subparsers(
         dest="command", required=True, title="commands", metavar="COMMAND"
     )

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import time
 import weakref
 from collections.abc import Iterable, Iterator
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from prometheus_client import REGISTRY, Counter, Histogram
+from prometheus_client import REGISTRY, Counter, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -74,6 +75,27 @@ CLAIMS_SWEPT = Counter(
     ["action"],
 )
 SWEEPER_RUNS = Counter("worker_sweeper_runs", "Sweeper passes, by result (ok, failed).", ["result"])
+
+REVISION_VARIABLE = "IDEMPOTENT_WORKER_REVISION"
+"""The source revision the image was built from: the Dockerfile sets it from its
+``REVISION`` build argument. Not a ``WORKER_*`` name on purpose: it is no setting,
+and the unknown-variable check would report it on every start."""
+
+
+def build_identity() -> tuple[str, str]:
+    """(version, revision) of this installation: the package's version, and the image's
+    source revision (``unknown`` outside an image that was told it)."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("idempotent-worker")
+    except metadata.PackageNotFoundError:  # a source checkout on PYTHONPATH, not installed
+        version = "unknown"
+    return version, os.environ.get(REVISION_VARIABLE, "").strip() or "unknown"
+
+
+BUILD_INFO = Info("worker_build", "The running worker's version and source revision.")
+BUILD_INFO.info(dict(zip(("version", "revision"), build_identity(), strict=True)))
 
 _handler_children: dict[str, Any] = {}
 

@@ -10,8 +10,8 @@
   while in-flight deliveries are still being finished.
 - ``/metrics``: the Prometheus exposition of the default registry
   (:mod:`worker.metrics`), in OpenMetrics when the scraper asks for it. With the
-  endpoint comes the inbox health monitor: a few bounded queries every
-  ``WORKER_INBOX_METRICS_INTERVAL`` seconds (30), never one per scrape.
+  endpoint comes the inbox health monitor: a few bounded queries every 30 seconds
+  (``INBOX_POLL_INTERVAL``; not a setting), never one per scrape.
 
 Why a thread: served from the worker's own loop, a stuck loop could not answer
 the liveness probe at all (a timeout says nothing about why), and metrics would
@@ -192,7 +192,7 @@ async def start_ops(settings: Settings, target: Readiness) -> OpsServer | None:
         stall_timeout=settings.ops_stall_timeout,
     )
     await server.start()
-    # A settings field (WORKER_INBOX_METRICS_INTERVAL) when there is one; 30 s otherwise.
+    # A settings field `inbox_metrics_interval` when one exists (none does today); 30 s.
     interval = float(getattr(settings, "inbox_metrics_interval", INBOX_POLL_INTERVAL))
     if interval > 0:
         server.monitor = InboxMonitor(settings.database_url, settings.retention, interval)

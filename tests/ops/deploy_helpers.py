@@ -37,6 +37,7 @@ COMPOSE = REPO / "docker-compose.yml"
 DOCKERFILE = REPO / "Dockerfile"
 EMULATOR_CONFIG = DEPLOY / "compose" / "servicebus-config.json"
 K8S_VERSION = "1.30.0"  # the oldest Kubernetes the manifests promise to work on
+CHART = DEPLOY / "helm" / "worker"
 
 
 def tool(name: str) -> str:
@@ -101,8 +102,14 @@ def compose_workers() -> dict[str, dict[str, Any]]:
     }
 
 
+def manifest_files() -> list[Path]:
+    """deploy/'s YAML files but the chart's templates (Go templates, rendered by Helm)."""
+    templates = CHART / "templates"
+    return sorted(p for p in DEPLOY.rglob("*.yaml") if templates not in p.parents)
+
+
 def yaml_files() -> list[Path]:
-    return sorted([*DEPLOY.rglob("*.yaml"), COMPOSE])
+    return sorted([*manifest_files(), *CHART.glob("*.yaml"), COMPOSE])
 
 
 # -- the Dockerfile ----------------------------------------------------------------
@@ -282,3 +289,79 @@ def render_with(
     result = run(tool("kubectl"), "kustomize", str(directory))
     assert result.returncode == 0, result.stderr
     return tuple(doc for doc in yaml.safe_load_all(result.stdout) if doc)
+
+
+# -- the Helm chart ------------------------------------------------------------------
+
+
+def helm() -> Any:
+    """helm-python-sdk: Helm's own Go engine (chart loading, rendering, lint, schema
+    validation) as a library, from a PyPI wheel: no helm binary is needed."""
+    try:
+        import helm_python
+    except ImportError:
+        unavailable("helm-python-sdk is not installed (pip install -e '.[test]')")
+    return helm_python
+
+
+def helm_render(
+    values: dict[str, Any] | None = None, *, release: str = "billing", namespace: str = "billing"
+) -> tuple[dict[str, Any], ...]:
+    """``helm template <release> deploy/helm/worker -n <namespace>``, hooks included.
+
+    ``values`` defaults to naming an existing Secret, the one thing the chart requires.
+    """
+    chosen = {"secrets": {"existingSecret": "worker-secrets"}} if values is None else values
+    with helm().Chart.load(str(CHART)) as chart:
+        chart.validate_schema(chosen)
+        rendered = chart.render(chosen, name=release, namespace=namespace, is_install=True)
+    docs: list[dict[str, Any]] = []
+    for path, text in sorted(rendered.items()):
+        if path.endswith(".yaml"):
+            docs.extend(doc for doc in yaml.safe_load_all(text) if doc)
+    return tuple(docs)
+
+
+def helm_failure(values: dict[str, Any]) -> str:
+    """The one-line error a render with ``values`` fails with."""
+    with helm().Chart.load(str(CHART)) as chart:
+        try:
+            chart.render(values, name="billing", namespace="billing", is_install=True)
+        except helm().HelmError as exc:
+            return str(exc)
+    raise AssertionError(f"the chart rendered with {values}")
+
+
+def connections_per_pod(env: dict[str, str], broker: str) -> dict[str, int]:
+    """Every engine one worker pod opens, and the connections each may hold at most.
+
+    The one formula of docs/operations.md ("Connection budget"), read from the code:
+
+    - ``pump``: worker/cli.py ``_run``'s engine, ``WORKER_DB_POOL_SIZE`` (default
+      concurrency + 2) plus ``WORKER_DB_MAX_OVERFLOW``; the outbox relay, the purge and
+      the claim sweep of ``worker run`` share it (worker/outbox.py ``start``);
+    - ``inbox-monitor``: worker/metrics.py ``InboxMonitor``, started with the ops
+      endpoint (``WORKER_OPS_PORT``): ``pool_size=1``, one query at a time, so one;
+    - ``kafka-offsets``: worker/brokers/kafka/consumer.py, with
+      ``WORKER_KAFKA_OFFSETS=database`` or ``WORKER_DELIVERY_COUNTS=database``:
+      ``pool_size=2, max_overflow=2``.
+
+    The init container's single connection (the migration gate) ends before these open.
+    """
+    from worker.settings import Settings
+
+    defaults = Settings()
+    concurrency = int(env.get("WORKER_CONCURRENCY", defaults.concurrency))
+    engines = {
+        "pump": int(env.get("WORKER_DB_POOL_SIZE") or concurrency + 2)
+        + int(env.get("WORKER_DB_MAX_OVERFLOW", defaults.db_max_overflow)),
+    }
+    if env.get("WORKER_OPS_PORT"):
+        engines["inbox-monitor"] = 1
+    database_offsets = "database" in (
+        env.get("WORKER_KAFKA_OFFSETS"),
+        env.get("WORKER_DELIVERY_COUNTS"),
+    )
+    if broker == "kafka" and database_offsets:
+        engines["kafka-offsets"] = 2 + 2
+    return engines

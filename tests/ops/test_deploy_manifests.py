@@ -29,15 +29,17 @@ from tests.ops.deploy_helpers import (
     REPO,
     compose,
     config,
+    connections_per_pod,
     dockerfile_instructions,
     one,
     render,
     render_with,
+    run,
     secret_template,
     secret_templates,
     stages,
+    tool,
 )
-from worker.settings import Settings
 
 BUDGET = "idempotent-worker/database-"
 PARTITIONS = "idempotent-worker/kafka-partitions"
@@ -137,15 +139,11 @@ def test_every_pod_reads_the_database_url_from_a_required_secret_key(kind: str) 
 def connection_budget(overlay: str) -> tuple[int, int, dict[str, int]]:
     """(connections at maximum scale, connections available, the figures) of one overlay."""
     env = config(overlay)
-    defaults = Settings()
-    concurrency = int(env.get("WORKER_CONCURRENCY", defaults.concurrency))
-    pool = int(env.get("WORKER_DB_POOL_SIZE") or concurrency + 2)
-    overflow = int(env.get("WORKER_DB_MAX_OVERFLOW", defaults.db_max_overflow))
     annotations = deployment(overlay)["metadata"]["annotations"]
     figures = {
         "max_replicas": int(scaled(overlay)["spec"]["maxReplicaCount"]),
         "max_surge": int(deployment(overlay)["spec"]["strategy"]["rollingUpdate"]["maxSurge"]),
-        "per_pod": pool + overflow,
+        "per_pod": sum(connections_per_pod(env, env["WORKER_BROKER"]).values()),
         "others": int(annotations[BUDGET + "other-clients"]),
         "max_connections": int(annotations[BUDGET + "max-connections"]),
         "reserved": int(annotations[BUDGET + "reserved-connections"]),
@@ -158,7 +156,7 @@ def connection_budget(overlay: str) -> tuple[int, int, dict[str, int]]:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_connection_budget_holds_at_maximum_scale(overlay: str) -> None:
-    """(maxReplicaCount + maxSurge) x (pool + overflow) + others <= max_connections - reserved.
+    """(maxReplicaCount + maxSurge) x per pod + others <= max_connections - reserved.
 
     Running out is not an error the pods can fix: 53300 pauses the running ones,
     crash-loops the new ones, and the growing backlog makes KEDA add more.
@@ -184,7 +182,26 @@ def test_the_budget_check_catches_the_old_sizes(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(me, "render", lambda _overlay: tuple(rendered))
     monkeypatch.setattr(me, "config", lambda _overlay: one(tuple(rendered), "ConfigMap")["data"])
     needed, available, _ = connection_budget("rabbitmq")
-    assert needed == 21 * 36 + 3 > available
+    assert needed == 21 * (36 + 1) + 3 > available  # + 1: the inbox monitor
+
+
+def test_the_budget_counts_the_engine_of_kafka_database_offsets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """WORKER_KAFKA_OFFSETS=database opens a second engine (2 + 2) in every pod: the
+    shipped Kafka figures then no longer fit, and the check says so."""
+    rendered = copy.deepcopy(list(render("kafka")))
+    for doc in rendered:
+        if doc["kind"] == "ConfigMap":
+            doc["data"]["WORKER_KAFKA_OFFSETS"] = "database"
+    import tests.ops.test_deploy_manifests as me
+
+    _, _, before = connection_budget("kafka")
+    monkeypatch.setattr(me, "render", lambda _overlay: tuple(rendered))
+    monkeypatch.setattr(me, "config", lambda _overlay: one(tuple(rendered), "ConfigMap")["data"])
+    needed, available, figures = connection_budget("kafka")
+    assert figures["per_pod"] == before["per_pod"] + 4
+    assert needed == 6 * 16 + 3 > available
 
 
 def test_the_engine_opens_what_the_budget_counts() -> None:
@@ -270,8 +287,7 @@ def test_keda_and_the_worker_use_different_service_bus_credentials() -> None:
         if "secretRef" in source
     }
     assert ref["name"] not in worker_secrets
-    install = " ".join(rest for keyword, rest in stages(dockerfile_instructions())[0])
-    assert "azure" in install.split('".[', 1)[1].split("]", 1)[0]  # the workload-identity path
+    assert "azure-identity" in locked()  # the image's workload-identity path ([azure])
 
 
 # -- 11: NetworkPolicies ------------------------------------------------------------------
@@ -464,40 +480,46 @@ def test_the_namespace_component_enforces_the_restricted_pod_security_level(
             assert context["capabilities"]["drop"] == ["ALL"]
 
 
-# -- gaps: the image's dependency lock -------------------------------------------------
+# -- the image: a hash-locked dependency layer before the source, a base pinned by digest --
 
 
-def constraints() -> dict[str, str]:
-    pins: dict[str, str] = {}
-    for line in (DEPLOY / "constraints.txt").read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            name, _, version = line.partition("==")
+def locked() -> dict[str, tuple[str, list[str]]]:
+    """deploy/requirements.lock: name -> (version, its sha256 hashes)."""
+    pins: dict[str, tuple[str, list[str]]] = {}
+    name = ""
+    for raw in (DEPLOY / "requirements.lock").read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if not raw.startswith(" "):
+            spec, _, _ = line.partition(" ")
+            name, _, version = spec.partition("==")
             assert version, f"not a pin: {line}"
-            pins[canonicalize_name(name)] = version
+            pins[canonicalize_name(name)] = (version, [])
+        elif line.startswith("--hash=sha256:"):
+            pins[canonicalize_name(name)][1].append(line.split(":", 1)[1].rstrip(" \\"))
     return pins
 
 
-def test_the_image_build_installs_from_a_lock_that_pins_every_dependency() -> None:
+def test_the_image_installs_every_dependency_from_a_hash_locked_file() -> None:
     import tomllib
 
     build = stages(dockerfile_instructions())[0]
-    runs = " ".join(rest for keyword, rest in build if keyword == "RUN")
-    assert "-c constraints.txt" in runs
-    copies = " ".join(rest for keyword, rest in build if keyword == "COPY")
-    assert "deploy/constraints.txt" in copies
-    pins = constraints()
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    wanted = [*project["dependencies"]]
+    runs = [rest for keyword, rest in build if keyword == "RUN"]
+    assert any("--require-hashes -r requirements.lock" in r and "--no-deps" in r for r in runs)
+    pins = locked()
+    for name, (_version, hashes) in pins.items():
+        assert hashes and all(len(h) == 64 for h in hashes), name
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    wanted = [*project["project"]["dependencies"], *project["build-system"]["requires"]]
     for extra in ("otel", "azure"):  # what the image installs
-        wanted += project["optional-dependencies"][extra]
+        wanted += project["project"]["optional-dependencies"][extra]
     for spec in wanted:
         requirement = Requirement(spec)
         name = canonicalize_name(requirement.name)
-        assert name in pins, f"{name} is not pinned"
-        assert requirement.specifier.contains(pins[name], prereleases=True), (spec, pins[name])
-    # the pins are closed: what a pinned distribution needs is pinned too (checked with
-    # the metadata of the distributions installed here)
+        assert name in pins, f"{name} is not locked"
+        assert requirement.specifier.contains(pins[name][0], prereleases=True), (spec, pins[name])
+    # closed: what a locked distribution needs is locked too (by the metadata installed here)
     for pinned in pins:
         try:
             requires = metadata.requires(pinned) or []
@@ -510,3 +532,124 @@ def test_the_image_build_installs_from_a_lock_that_pins_every_dependency() -> No
             ):
                 continue
             assert canonicalize_name(requirement.name) in pins, f"{pinned} needs {spec}"
+
+
+def test_the_package_is_built_offline_after_the_dependency_layer() -> None:
+    """A code change must not reinstall the dependencies: the lock is copied and installed
+    before any source is copied, and the package itself installs with nothing fetched."""
+    build = stages(dockerfile_instructions())[0]
+    keywords = [(keyword, rest) for keyword, rest in build if keyword in ("COPY", "RUN")]
+    lock = next(i for i, (k, r) in enumerate(keywords) if k == "COPY" and "requirements.lock" in r)
+    deps = next(i for i, (k, r) in enumerate(keywords) if k == "RUN" and "--require-hashes" in r)
+    sources = [i for i, (k, r) in enumerate(keywords) if k == "COPY" and (
+        "worker" in r.split() or "pyproject.toml" in r)]  # fmt: skip
+    assert lock < deps < min(sources)
+    [package] = [r for k, r in keywords if k == "RUN" and "--no-build-isolation" in r]
+    assert "--no-index" in package and "--no-deps" in package
+
+
+def test_the_base_image_is_pinned_by_digest_and_the_revision_reaches_the_worker() -> None:
+    import re
+
+    instructions = dockerfile_instructions()
+    base = next(rest for keyword, rest in instructions if keyword == "ARG")
+    assert re.fullmatch(r"PYTHON_IMAGE=python:3\.12-slim-bookworm@sha256:[0-9a-f]{64}", base)
+    final = stages(instructions)[-1]
+    assert ("ARG", "REVISION=unknown") in final
+    from worker.metrics import REVISION_VARIABLE
+
+    assert ("ENV", f"{REVISION_VARIABLE}=${{REVISION}}") in final
+    assert not REVISION_VARIABLE.startswith("WORKER_")  # no setting: no unknown-variable warning
+
+
+# -- renaming: a prefix and an instance label, two instances in one namespace ------------
+
+
+def instance(directory: Path, name: str, overlay: str = "rabbitmq") -> tuple[dict[str, Any], ...]:
+    """A user's kustomization: the overlay (and the PodMonitor) as ``<name>-worker``, labelled
+    ``app.kubernetes.io/instance: <name>`` down to every selector, in namespace ``shared``."""
+    directory.mkdir()
+    relative = Path(os.path.relpath(DEPLOY, directory))
+    spec = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "namespace": "shared",
+        "namePrefix": f"{name}-",
+        "labels": [{"pairs": {"app.kubernetes.io/instance": name}, "includeSelectors": True}],
+        "resources": [str(relative / "overlays" / overlay)],
+        "components": [str(relative / "components" / "podmonitor")],
+    }
+    (directory / "kustomization.yaml").write_text(yaml.safe_dump(spec))
+    result = run(tool("kubectl"), "kustomize", str(directory))
+    assert result.returncode == 0, result.stderr
+    return tuple(doc for doc in yaml.safe_load_all(result.stdout) if doc)
+
+
+def selectors_of(docs: tuple[dict[str, Any], ...]) -> list[tuple[str, dict[str, str]]]:
+    found = []
+    for doc in docs:
+        spec, kind = doc.get("spec", {}), doc["kind"]
+        if kind in ("Deployment", "PodDisruptionBudget", "PodMonitor"):
+            found.append((kind, spec["selector"]["matchLabels"]))
+        elif kind == "Service":
+            found.append((kind, spec["selector"]))
+        elif kind == "NetworkPolicy":
+            found.append((kind, spec["podSelector"]["matchLabels"]))
+    return found
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_name_prefix_renames_what_keda_scales_and_authenticates_with(
+    overlay: str, tmp_path: Path
+) -> None:
+    docs = instance(tmp_path / "billing", "billing", overlay)
+    deployment = one(docs, "Deployment")["metadata"]["name"]
+    assert deployment == "billing-worker"
+    scaled = one(docs, "ScaledObject")["spec"]
+    assert scaled["scaleTargetRef"]["name"] == deployment
+    names = {doc["metadata"]["name"] for doc in docs if doc["kind"] == "TriggerAuthentication"}
+    for trigger in scaled["triggers"]:
+        if "authenticationRef" in trigger:
+            assert trigger["authenticationRef"]["name"] in names
+    assert one(docs, "Job")["metadata"]["name"] == "billing-worker-migrate"
+
+
+def test_without_the_kustomize_configuration_keda_would_scale_nothing(tmp_path: Path) -> None:
+    """The check is awake: the overlay without its ``configurations:`` renders the old bug."""
+    import shutil
+
+    copy_of = tmp_path / "deploy"
+    shutil.copytree(DEPLOY, copy_of, ignore=shutil.ignore_patterns("helm"))
+    overlay = copy_of / "overlays" / "rabbitmq" / "kustomization.yaml"
+    spec = yaml.safe_load(overlay.read_text())
+    del spec["configurations"]
+    overlay.write_text(yaml.safe_dump(spec))
+    user = tmp_path / "billing"
+    user.mkdir()
+    (user / "kustomization.yaml").write_text(
+        yaml.safe_dump({"namePrefix": "billing-", "resources": ["../deploy/overlays/rabbitmq"]})
+    )
+    result = run(tool("kubectl"), "kustomize", str(user))
+    assert result.returncode == 0, result.stderr
+    docs = tuple(doc for doc in yaml.safe_load_all(result.stdout) if doc)
+    assert one(docs, "ScaledObject")["spec"]["scaleTargetRef"]["name"] == "worker"
+
+
+def test_two_kustomize_instances_in_one_namespace_never_select_each_other(tmp_path: Path) -> None:
+    billing = instance(tmp_path / "billing", "billing")
+    refunds = instance(tmp_path / "refunds", "refunds", "kafka")
+    names = [(d["kind"], d["metadata"]["name"]) for d in (*billing, *refunds)]
+    assert len(names) == len(set(names))
+    for mine, theirs in ((billing, refunds), (refunds, billing)):
+        own = one(mine, "Deployment")["spec"]["template"]["metadata"]["labels"]
+        other = [one(theirs, kind)["spec"]["template"]["metadata"]["labels"]
+                 for kind in ("Deployment", "Job")]  # fmt: skip
+        for kind, selector in selectors_of(mine):
+            assert selector.items() <= own.items(), kind
+            for labels in other:
+                assert not selector.items() <= labels.items(), (kind, selector)
+
+
+def test_every_overlay_carries_the_same_kustomize_configuration() -> None:
+    texts = {(DEPLOY / "overlays" / o / "kustomizeconfig.yaml").read_text() for o in OVERLAYS}
+    assert len(texts) == 1

@@ -8,6 +8,7 @@ rules), and every metric any expression names must be one the worker exports.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import re
 import subprocess
@@ -24,6 +25,7 @@ MONITORING = REPO / "deploy" / "monitoring"
 RULES = MONITORING / "alerts.rules.yml"
 RULE_TESTS = MONITORING / "alerts.test.yml"
 DASHBOARD = MONITORING / "dashboard.json"
+CHART_RULES = REPO / "deploy" / "helm" / "worker" / "files" / "alerts.rules.yml"
 YAMLLINT_CONFIG = Path(__file__).with_name("yamllint.yaml")
 
 # Metrics another module exports once it exists; their alert and panels are in
@@ -31,7 +33,7 @@ YAMLLINT_CONFIG = Path(__file__).with_name("yamllint.yaml")
 LATER = {"worker.outbox.relay": {"worker_outbox_pending", "worker_outbox_parked",
                            "worker_outbox_oldest_pending_seconds"}}  # fmt: skip
 ALERTS = {
-    "WorkerDeadLettersGrowing": "10m",
+    "WorkerDeadLettersGrowing": "15m",
     "WorkerPaused": "5m",
     "WorkerNotReady": "10m",
     "WorkerBrokerDisconnected": "5m",
@@ -39,7 +41,21 @@ ALERTS = {
     "WorkerClaimsStuck": "15m",
     "WorkerInboxMetricsStale": "5m",
     "WorkerOutboxBacklog": "15m",
+    "WorkerTargetDown": "10m",
+    "WorkerTargetsAbsent": "15m",
+    "WorkerMigrationFailed": "1m",
+    "WorkerStuckInInit": "15m",
+    "WorkerCrashLooping": "10m",
 }
+# kube-state-metrics (v2) series the Kubernetes alerts read, and Prometheus's own `up`
+KUBERNETES_SERIES = {
+    "up",
+    "kube_job_failed",
+    "kube_pod_init_container_status_running",
+    "kube_pod_init_container_status_waiting",
+    "kube_pod_container_status_waiting_reason",
+}
+OPERATIONS = REPO / "docs" / "operations.md"
 _METRIC = re.compile(r"\b(worker_[a-z0-9_]+)\b")
 _PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "or"}
 
@@ -79,6 +95,7 @@ def exported_names() -> set[str]:
         "histogram": ("_bucket", "_sum", "_count", "_created"),
         "summary": ("_sum", "_count", "_created"),
         "gauge": ("",),
+        "info": ("_info",),
     }
     for family in REGISTRY.collect():
         names.add(family.name)
@@ -99,8 +116,70 @@ def test_promtool_accepts_the_alert_rules() -> None:
 def test_each_alert_is_quiet_before_its_threshold_and_fires_after_it() -> None:
     result = promtool("test", "rules", str(RULE_TESTS))
     assert result.returncode == 0, result.stdout + result.stderr
-    tested = set(re.findall(r'alertname="(\w+)"', RULE_TESTS.read_text()))
-    assert tested >= set(ALERTS) - {"WorkerBrokerDisconnected", "WorkerInboxMetricsStale"}
+    tested = set(re.findall(r'alertname="(\w+)", alertstate="firing",\s', RULE_TESTS.read_text()))
+    assert tested == set(ALERTS)  # every alert has a test in which it fires
+
+
+def test_the_alert_tests_fail_against_a_rule_that_never_fires(tmp_path: Path) -> None:
+    """promtool is awake: the same tests against rules that never fire report failures."""
+    spec = yaml.safe_load(RULES.read_text())
+    for group in spec["groups"]:
+        for rule in group["rules"]:
+            rule["expr"] = "vector(0) > 1"
+    (tmp_path / RULES.name).write_text(yaml.safe_dump(spec))
+    (tmp_path / RULE_TESTS.name).write_text(RULE_TESTS.read_text())
+    tool = require_command("promtool", "apt-get install prometheus (it ships promtool)")
+    result = subprocess.run(
+        [tool, "test", "rules", RULE_TESTS.name],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode != 0
+    for name in ALERTS:
+        assert f'alertname=\\"{name}\\"' in result.stdout + result.stderr, name
+
+
+def anchors(markdown: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    found = set()
+    for line in markdown.splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            found.add(re.sub(r"\s", "-", re.sub(r"[^\w\s-]", "", title)))
+    return found
+
+
+def test_every_rule_links_its_runbook_section_in_the_operations_guide() -> None:
+    sections = anchors(OPERATIONS.read_text())
+    for rule in rules():
+        url = rule["annotations"]["runbook_url"]
+        path, _, anchor = url.partition("#")
+        assert path == "docs/operations.md", rule["alert"]
+        assert anchor == rule["alert"].lower() and anchor in sections, rule["alert"]
+
+
+def test_the_kubernetes_alerts_read_kube_state_metrics_series_that_exist() -> None:
+    named = set()
+    for rule in rules():
+        named |= set(re.findall(r"\b(kube_[a-z_]+|up)\{", rule["expr"]))
+    assert named == KUBERNETES_SERIES
+
+
+def test_the_operator_objects_carry_the_rules_unchanged() -> None:
+    loader = importlib.util.spec_from_file_location("sync_rules", MONITORING / "sync_rules.py")
+    assert loader is not None and loader.loader is not None
+    sync = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(sync)
+    source = RULES.read_text()
+    component = sync.COMPONENT.read_text()
+    assert component == sync.component_text(source), "run deploy/monitoring/sync_rules.py"
+    assert sync.CHART_COPY.read_text() == source, "run deploy/monitoring/sync_rules.py"
+    rule = yaml.safe_load(component)
+    assert rule["kind"] == "PrometheusRule"
+    assert rule["spec"]["groups"] == yaml.safe_load(source)["groups"]
 
 
 def test_the_alerts_and_their_durations_are_the_documented_ones() -> None:
@@ -112,13 +191,33 @@ def test_the_alerts_and_their_durations_are_the_documented_ones() -> None:
 
 def test_promtool_parses_every_dashboard_expression(tmp_path: Path) -> None:
     recording = [
-        {"record": f"dashboard:expr_{i}", "expr": expr.replace("$__rate_interval", "5m")}
+        {"record": f"dashboard:expr_{i}", "expr": grafana_free(expr)}
         for i, expr in enumerate(dashboard_expressions())
     ]
     path = tmp_path / "dashboard.rules.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": recording}]}))
     result = promtool("check", "rules", str(path))
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def grafana_free(expression: str) -> str:
+    """A dashboard expression as Prometheus sees it once Grafana has filled in its variables."""
+    for variable in ("$namespace", "$job", "$pod"):
+        expression = expression.replace(variable, ".*")
+    return expression.replace("$__rate_interval", "5m")
+
+
+def test_every_dashboard_query_is_scoped_to_the_chosen_namespace_job_and_pod() -> None:
+    spec = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in spec["templating"]["list"]}
+    assert {"datasource", "namespace", "job", "pod"} <= set(variables)
+    for name in ("namespace", "job", "pod"):
+        assert variables[name]["query"]["query"].startswith("label_values(worker_build_info")
+        assert variables[name]["includeAll"] and variables[name]["allValue"] == ".*"
+    scope = 'namespace=~"$namespace", job=~"$job", pod=~"$pod"'
+    for expression in dashboard_expressions():
+        for match in re.finditer(r"\b(worker_[a-z0-9_]+)(\{[^}]*\})?", expression):
+            assert match.group(2) and scope in match.group(2), expression
 
 
 def test_every_expression_names_a_metric_the_worker_exports() -> None:
@@ -148,6 +247,9 @@ def test_the_dashboard_shows_what_operators_asked_for() -> None:
         "worker_inbox_leases_expired",
         "worker_dead_letters_total",
         "worker_outbox_pending",
+        "worker_broker_events_total",  # reconnects, lost settlements, rebalances
+        "worker_conflict_resolutions_total",
+        "worker_build_info",  # which versions run
     ):
         assert metric in every, metric
     ids = [panel["id"] for panel in spec["panels"]]
@@ -160,7 +262,14 @@ def test_the_dashboard_shows_what_operators_asked_for() -> None:
 def test_the_monitoring_yaml_passes_yamllint() -> None:
     tool = require_command("yamllint", "pip install -e '.[test]'")
     result = subprocess.run(
-        [tool, "-c", str(YAMLLINT_CONFIG), "-f", "parsable", str(RULES), str(RULE_TESTS)],
+        [
+            tool,
+            "-c",
+            str(YAMLLINT_CONFIG),
+            "-f",
+            "parsable",
+            *map(str, (RULES, RULE_TESTS, CHART_RULES)),
+        ],
         capture_output=True,
         text=True,
         timeout=60,
