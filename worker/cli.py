@@ -624,6 +624,7 @@ async def _run(settings: Settings, signals: _Signals | None = None) -> int:
     from worker.ops import start_ops
     from worker.outbox import relay as outbox_relay
     from worker.registry import import_handlers, registry
+    from worker.startup import database_refuses, until_up
 
     import_handlers(settings.handler_modules)
     shutdown_tracing = None
@@ -639,31 +640,35 @@ async def _run(settings: Settings, signals: _Signals | None = None) -> int:
     )
     log = logs.get_logger()
     try:
-        try:
-            await ping(engine)
-        except Exception as exc:
-            log.error(
-                "database unreachable at start", database=redact(settings.database_url), error=exc
-            )
-            return 1
-        from worker.concurrency import prepare_models
-
-        prepare_models(engine.dialect.name)  # an unusable version token stops us before any work
         pump = assemble(settings, broker, engine, registry)
-        relay = outbox_relay.start(settings, engine, broker)  # beside the pump, never in its way
-        ops = await start_ops(settings, pump)
-        chores = retention.start(engine, session_factory(engine), registry, settings, log)
+        ops = await start_ops(settings, pump)  # alive from here on; ready once consuming
         try:
-            if signals is None:
-                await pump.run(install_signal_handlers=True)
-            else:
-                signals.hand_over(pump)
-                await pump.run()
+            await until_up(
+                "database",
+                lambda: ping(engine),
+                within=settings.start_timeout,
+                log=log.bind(database=redact(settings.database_url)),
+                fatal=database_refuses,
+            )
+            from worker.concurrency import prepare_models
+
+            prepare_models(engine.dialect.name)  # an unusable version token stops us first
+            relay = outbox_relay.start(settings, engine, broker)  # beside the pump
+            chores = retention.start(engine, session_factory(engine), registry, settings, log)
+            try:
+                if signals is None:
+                    await pump.run(
+                        install_signal_handlers=True, start_timeout=settings.start_timeout
+                    )
+                else:
+                    signals.hand_over(pump)
+                    await pump.run(start_timeout=settings.start_timeout)
+            finally:  # purge and sweep: beside the ops server, not in the pump
+                if chores is not None:
+                    chores.cancel()
+                    await asyncio.gather(chores, return_exceptions=True)
+                await outbox_relay.stop(relay)
         finally:  # probes answer (not ready) until the pump has settled its last delivery
-            if chores is not None:  # purge and sweep: beside the ops server, not in the pump
-                chores.cancel()
-                await asyncio.gather(chores, return_exceptions=True)
-            await outbox_relay.stop(relay)
             if ops is not None:
                 await ops.stop()
     finally:

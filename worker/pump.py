@@ -72,6 +72,7 @@ from worker.middleware import StageMiddleware, WorkMiddleware, compose
 from worker.registry import Registry, Runs
 from worker.settings import Settings
 from worker.settle import Settlement
+from worker.startup import broker_up
 from worker.transaction import TransactionRunner
 from worker.verdict import STOPPING, Verb, unexpected
 from worker.work import Work
@@ -165,14 +166,18 @@ class Pump:
         """Ask for a graceful stop; :meth:`run` returns once in-flight work is settled."""
         self._stop.set()
 
-    async def run(self, *, install_signal_handlers: bool = False) -> None:
+    async def run(
+        self, *, install_signal_handlers: bool = False, start_timeout: float | None = None
+    ) -> None:
+        """Consume until :meth:`stop`. ``start_timeout``: seconds a broker that is not
+        there yet is retried (worker.startup); None: a failed start raises at once."""
         if install_signal_handlers:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stop)
         prepare_models(self.engine.dialect.name)  # refuses unusable tokens before any work
         concurrency = self.settings.concurrency
-        await self.broker.start(prefetch=self.prefetch)
+        await broker_up(lambda: self.broker.start(prefetch=self.prefetch), start_timeout, self._log)
         self.consuming = True
         self.started.set()
         self._log.info("pump started", concurrency=concurrency, types=self.registry.message_types)

@@ -187,6 +187,12 @@ class Settings(BaseSettings):
         "(one host sharing one file; never in Kubernetes, where each pod gets its own).",
     )
     db_probe_backoff_max: float = Field(5.0, gt=0, description="Cap between database probes.")
+    start_timeout: float = Field(
+        300.0,
+        ge=0,
+        description="Seconds a start retries a database or broker that is not there yet "
+        "(alive, not ready meanwhile); a refused login or a missing database fails at once.",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["auto", "json", "console"] = "auto"
     # -- operations: probes, metrics, tracing (docs/operations.md) --
