@@ -46,7 +46,7 @@ async def test_running_workers_lose_nothing_and_starting_ones_wait_out_the_fault
     done: list[str] = []
 
     async def progress() -> float:
-        return await scalar(pg, "SELECT count(*) FROM inbox") / UNIQUE
+        return float(await scalar(pg, "SELECT count(*) FROM inbox")) / UNIQUE
 
     async def until(fraction: float) -> None:
         await wait_for_progress(progress, fraction, done)
