@@ -26,6 +26,8 @@ pump pauses).
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 
@@ -39,6 +41,7 @@ from sqlalchemy import (
     delete,
     func,
     select,
+    text,
     tuple_,
     update,
 )
@@ -94,11 +97,19 @@ async def _autocommitted(engine: AsyncEngine, statement: Any, params: dict[str, 
         return await connection.execute(statement, params)
 
 
+def every_start(settings: Settings) -> bool:
+    """Whether first deliveries' starts are counted too: with
+    WORKER_COUNT_FIRST_DELIVERIES, and in batch mode, where a batch counts its members'
+    starts in one statement (so one that was only held in a bucket when its process died
+    starts again at 1)."""
+    return settings.count_first_deliveries or settings.batch_size > 1
+
+
 def wanted(delivery: Delivery, settings: Settings) -> bool:
-    """Whether this delivery is counted in the database."""
+    """Whether this delivery's start is counted in the database."""
     if settings.delivery_counts != "database":
         return False
-    return delivery.redelivered or settings.count_first_deliveries
+    return delivery.redelivered or every_start(settings)
 
 
 async def count(engine: AsyncEngine, delivery: Delivery, consumer: str, settings: Settings) -> bool:
@@ -115,7 +126,7 @@ async def count(engine: AsyncEngine, delivery: Delivery, consumer: str, settings
     statement = _UPSERTS.get(engine.dialect.name)
     if statement is None:
         return False
-    first = 0 if settings.count_first_deliveries else 1  # the uncounted first delivery
+    first = 0 if every_start(settings) else 1  # the uncounted first delivery
     try:
         result = await _autocommitted(
             engine, statement, {"message_id": delivery.message_id, "consumer": consumer}
@@ -150,6 +161,46 @@ async def started_before(engine: AsyncEngine, delivery: Delivery, consumer: str)
     except Exception:
         return True
     return bool(stored and stored > 0)
+
+
+_COUNT_MANY = {
+    "postgresql": text(
+        "INSERT INTO delivery_counts (message_id, consumer, deliveries) "
+        "SELECT m, :c, 1 FROM unnest(CAST(:ids AS varchar[])) AS m "
+        "ON CONFLICT (message_id, consumer) DO UPDATE SET "
+        "deliveries = delivery_counts.deliveries + 1, updated_at = current_timestamp "
+        "RETURNING message_id, deliveries"
+    ),
+    # SQLite: "WHERE true" tells the parser the ON CONFLICT is the upsert, not a join's ON
+    "sqlite": text(
+        "INSERT INTO delivery_counts (message_id, consumer, deliveries) "
+        "SELECT value, :c, 1 FROM json_each(:ids) WHERE true "
+        "ON CONFLICT (message_id, consumer) DO UPDATE SET "
+        "deliveries = delivery_counts.deliveries + 1, updated_at = current_timestamp "
+        "RETURNING message_id, deliveries"
+    ),
+}
+
+
+async def count_many(
+    engine: AsyncEngine, deliveries: Sequence[Delivery], consumer: str, settings: Settings
+) -> bool:
+    """A batch's starts, counted in one statement (ids sorted: two batches sharing ids take
+    their rows in one order); False when they could not be (each keeps its count)."""
+    statement = _COUNT_MANY.get(engine.dialect.name)
+    if settings.delivery_counts != "database" or statement is None or not deliveries:
+        return False
+    ids = sorted({str(d.message_id) for d in deliveries})
+    params = {"c": consumer, "ids": ids if engine.dialect.name == "postgresql" else json.dumps(ids)}
+    try:
+        result = await _autocommitted(engine, statement, params)
+        stored = {row[0]: int(row[1]) for row in result.all()}
+    except Exception as exc:  # not the messages' fault: they keep the broker's counts
+        get_logger().warning("delivery counts not stored", size=len(ids), error=exc)
+        return False
+    for delivery in deliveries:
+        delivery.delivery_count = stored.get(str(delivery.message_id), delivery.delivery_count)
+    return True
 
 
 _REFUND = (

@@ -69,7 +69,9 @@ class Dispatch:
                 item.consumer = ""
                 self._outcomes["", item.verdict.outcome] += 1
             return
-        if not work.batch:
+        if work.batch:
+            await self._start_batch(work)
+        else:
             await self._start(work.items[0], work.handlers)
         await self._stages(work)
         for item in work.items:  # the same id twice in a batch: the copy is the first's duplicate
@@ -96,11 +98,22 @@ class Dispatch:
                     still.append(item)
             live = still
 
+    async def _start_batch(self, work: Work) -> None:
+        """A batch's starts, in one statement (first deliveries only: none is past a limit)."""
+        consumer = work.handlers[0].consumer
+        if await attempts.count_many(self._engine, work.deliveries, consumer, self._settings):
+            for item in work.items:
+                item.counted = consumer
+
     async def _start(self, item: Item, handlers: tuple[Handler[Any], ...]) -> None:
-        """Spend the start durably (redeliveries); past the limit, end it here."""
+        """Spend the start durably (redeliveries); past the limit, end it here. A batch
+        member that runs again on its own after losing to another writer was counted
+        when its batch started."""
         delivery = item.delivery
         consumer = handlers[0].consumer
-        if await attempts.count(self._engine, delivery, consumer, self._settings):
+        if item.counted is None and await attempts.count(
+            self._engine, delivery, consumer, self._settings
+        ):
             item.counted = consumer
         if delivery.delivery_count > self._settings.max_deliveries:
             item.verdict = await self._over_limit(item, handlers)

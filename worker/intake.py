@@ -378,11 +378,8 @@ class Intake:
     # -- batch mode ---------------------------------------------------------------------
 
     def _may_batch(self, delivery: Delivery) -> bool:
-        return (
-            self._batchable.get(delivery.type or "", False)
-            and not delivery.redelivered  # a redelivery runs on its own (and is counted)
-            and not attempts.wanted(delivery, self._settings)
-        )
+        # a redelivery runs on its own: it is counted on its own, and may be a suspect
+        return self._batchable.get(delivery.type or "", False) and not delivery.redelivered
 
     def _bucket(self, item: Item, handlers: tuple[Handler[Any], ...]) -> None:
         delivery = item.delivery

@@ -76,9 +76,10 @@ def test_demo_shows_the_naive_handler_wrong_and_the_worker_exact(tmp_path: Path)
 
 def test_database_password_never_reaches_the_log(tmp_path: Path) -> None:
     url = "postgresql+asyncpg://app:hunter2@127.0.0.1:1/app"  # nothing listens on port 1
-    result = run_cli(json_env({"WORKER_DATABASE_URL": url}), "run", cwd=tmp_path)
+    env = json_env({"WORKER_DATABASE_URL": url, "WORKER_START_TIMEOUT": "0"})
+    result = run_cli(env, "run", cwd=tmp_path)
     assert result.returncode == 1
-    assert "database unreachable at start" in result.stderr
+    assert "database unavailable at start, giving up" in result.stderr
     assert "app:***@127.0.0.1:1/app" in result.stderr
     assert "hunter2" not in result.stderr
 

@@ -139,6 +139,7 @@ def test_sqlite_with_a_networked_broker_runs_when_explicitly_allowed(tmp_path: P
         WORKER_BROKER="rabbitmq",
         WORKER_RABBITMQ_URL=f"amqp://guest:guest@127.0.0.1:{free_port()}/",  # nothing there
         WORKER_ALLOW_SQLITE_WITH_NETWORK_BROKER="true",
+        WORKER_START_TIMEOUT="0",  # no retry: the refusal is what this test is about
     )
     assert run_cli(env, "migrate").returncode == 0
     result = run_cli(env, "run", timeout=90)
