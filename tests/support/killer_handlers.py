@@ -1,8 +1,9 @@
-"""``WORKER_HANDLERS=tests.support.killer_handlers``: the reference credit handler (keyed by
-account, as shipped) for messages of type ``Credit``, except that a message whose id is in ``WORKER_TEST_KILLERS`` (comma-separated) ends the process at
-once, as an out-of-memory kill, a segfault in a C extension or an eviction would
-(``os._exit(137)``: no cleanup, nothing settled). Each run of a killer appends its id to
-the file named by ``WORKER_TEST_DEATHS`` first, so a test can count who died how often."""
+"""``WORKER_HANDLERS=tests.support.killer_handlers``: the reference credit handler, keyed by
+account as shipped, for messages of type ``Credit``; a message whose id is in
+``WORKER_TEST_KILLERS`` (comma-separated) ends the process at once instead, as an
+out-of-memory kill, a segfault in a C extension or an eviction would (``os._exit(137)``:
+no cleanup, nothing settled). Each run of a killer first appends its id to the file named
+by ``WORKER_TEST_DEATHS``, so a test can count who died how often."""
 
 from __future__ import annotations
 
