@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
+import subprocess
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from decimal import Decimal
 from typing import Any
 
@@ -19,7 +21,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition  # type:
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic  # type: ignore[import-untyped]
 
 from tests.support.credits import credit_body
-from tests.support.processes import WorkerProcess, clean_env
+from tests.support.processes import WorkerProcess, clean_env, free_port
+from tests.support.tansu import tansu_binary
 from worker.brokers.kafka import KafkaConsumer, KafkaSettings
 from worker.delivery import Delivery
 from worker.settings import Settings
@@ -197,6 +200,38 @@ async def lag(bootstrap: str, group: str, topic: str, partitions: int) -> int:
 def header(record: Any, name: str) -> str | None:
     values = [v for k, v in record.headers if k == name]
     return values[-1].decode() if values else None
+
+
+@contextlib.contextmanager
+def authenticating_tansu() -> Iterator[str]:
+    """A Tansu of its own that requires SASL (``--authentication``) and knows no user: every
+    login is refused. Yields its bootstrap address; stopped by its PID."""
+    port = free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        [str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url",
+         url, "--storage-engine", "memory://tansu/", "--authentication", "--silent"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            assert process.poll() is None, f"tansu exited with {process.returncode}"
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"tansu did not listen on {port}"
+                time.sleep(0.05)
+        yield f"127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
 
 
 # -- worker processes -------------------------------------------------------------------

@@ -21,6 +21,7 @@ from tests.support.waiting import wait_for
 from worker import inbox
 from worker.brokers.kafka import KafkaConsumer, KafkaSettings, load_kafka_settings
 from worker.db import create_engine, session_factory
+from worker.delivery import in_commit
 from worker.errors import ConfigurationError, SettlementLost
 from worker.pump import Pump
 from worker.registry import Context, Registry
@@ -79,13 +80,12 @@ async def test_a_member_starts_at_the_stored_offset_not_the_brokers(
         first = await receive(broker)
         assert first.headers is not None
         assert first.group == (topic, 0)
-        assert first.in_transaction is not None
         assert first._handle.record.offset == 6
         assert await scalar(url, "SELECT epoch FROM consumer_offsets") == 4  # claimed
         engine = create_engine(url)
         try:
             session = session_factory(engine)()
-            await first.in_transaction(session)  # what the pump does just before its commit
+            await in_commit(session, [first])  # what the worker does just before its commit
             await AsyncSession.commit(session)
             await AsyncSession.close(session)
         finally:
@@ -200,17 +200,16 @@ async def test_a_batch_stores_the_contiguous_prefix_once_past_a_failure_in_the_m
 
         event.listen(engine.sync_engine, "before_cursor_execute", spy)
         session = session_factory(engine)()
-        for delivery in (batch[0], batch[1], batch[3]):  # what a batch runner does
-            assert delivery.in_transaction is not None
-            await delivery.in_transaction(session)
+        # what a batch runner does: its committed members, once, just before the commit
+        await in_commit(session, [batch[0], batch[1], batch[3]])
         await AsyncSession.commit(session)
         await AsyncSession.close(session)
-        assert len(statements) == 2  # the partition's first record, and once before the commit
+        assert len(statements) == 1  # once per partition per transaction, whatever the batch
         assert await stored(url, kafka.group_id, topic) == {0: 2}
         for delivery in (batch[0], batch[1], batch[3]):
             await delivery.ack()
         await batch[2].nack()
-        await broker._commit(list(broker._partitions.values()))
+        await broker.offsets.commit(list(broker._partitions.values()))
         assert await committed(kafka.bootstrap_servers, kafka.group_id, topic, 1) == {0: 2}
         again = [await receive(broker) for _ in range(2)]
         assert [d._handle.record.offset for d in again] == [2, 3]
@@ -219,6 +218,41 @@ async def test_a_batch_stores_the_contiguous_prefix_once_past_a_failure_in_the_m
     finally:
         await broker.stop_receiving()
         await broker.close()
+        await engine.dispose()
+
+
+async def test_one_transaction_writes_each_partition_once_with_its_own_prefix(
+    new_topic: MakeTopic, kafka_settings: Callable[..., KafkaSettings], postgres_only_url: str
+) -> None:
+    """`in_commit` gets exactly the deliveries whose work commits in the transaction: one
+    statement per partition, each row moved to its own contiguous prefix; a partition
+    whose records do not extend its prefix (offset 1 done, 0 not) keeps its offset but
+    is still written, so the epoch guard checks it (a fenced member fails here)."""
+    url, topic = postgres_only_url, await new_topic(2)
+    kafka = kafka_settings(topic, offsets="database")
+    await produce(kafka.bootstrap_servers, topic, records(2, 0) + records(2, 1))
+    settings = Settings(database_url=url, batch_size=2)  # two records per partition out
+    engine = create_engine(url)
+    statements: list[str] = []
+    try:
+        async with consuming(kafka, settings) as broker:
+            taken = [await receive(broker) for _ in range(4)]
+            out = {(d.group, d._handle.record.offset): d for d in taken}
+            assert set(out) == {((topic, p), o) for p in (0, 1) for o in (0, 1)}
+
+            def spy(*args: Any) -> None:
+                if "consumer_offsets" in args[2]:
+                    statements.append(args[2])
+
+            event.listen(engine.sync_engine, "before_cursor_execute", spy)
+            session = session_factory(engine)()
+            mine = [out[(topic, 0), 0], out[(topic, 0), 1], out[(topic, 1), 1]]
+            await in_commit(session, mine)
+            await AsyncSession.commit(session)
+            await AsyncSession.close(session)
+            assert len(statements) == 2
+            assert await stored(url, kafka.group_id, topic) == {0: 2, 1: None}
+    finally:
         await engine.dispose()
 
 
@@ -239,9 +273,8 @@ async def test_a_fenced_transaction_rolls_back_and_the_row_keeps_the_new_owners_
         try:
             session = session_factory(engine)()
             await inbox.mark(session, "zombie", "note")
-            assert delivery.in_transaction is not None
             with pytest.raises(SettlementLost, match="claimed by another member"):
-                await delivery.in_transaction(session)
+                await in_commit(session, [delivery])
             await AsyncSession.close(session)
         finally:
             await engine.dispose()

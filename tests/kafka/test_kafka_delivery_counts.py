@@ -120,7 +120,7 @@ async def test_records_a_crashed_owner_may_have_started_come_as_redeliveries(
     await a.start(prefetch=1)
     try:
         first = await receive(a)
-        assert (offset(first), first.delivery_count) == (0, 1)
+        assert (offset(first), first.delivery_count, first.suspect) == (0, 1, False)
         rows = await fetch(url, "SELECT started_through FROM consumer_offsets")
         assert rows and rows[0][0] >= 0  # recorded before the record was handed out
     finally:
@@ -130,9 +130,32 @@ async def test_records_a_crashed_owner_may_have_started_come_as_redeliveries(
     async with member(kafka, url) as b:
         again = await receive(b)
         assert offset(again) == 0 and again.delivery_count >= 2
+        assert again.suspect  # it may have been running when `a` died
         await again.ack()
         later = await receive(b)
         assert offset(later) == 1 and later.delivery_count >= 2  # reserved ahead: suspect too
+        assert later.suspect
+
+
+async def test_without_durable_counts_nothing_is_known_to_be_suspect(
+    new_topic: MakeTopic, kafka_settings: Callable[..., KafkaSettings], postgres_only_url: str
+) -> None:
+    """Suspects need the reservation (WORKER_DELIVERY_COUNTS=database): with database
+    offsets alone, the row says where to start, not what a dead owner had started."""
+    url, topic = postgres_only_url, await new_topic(1)
+    kafka = kafka_settings(topic, offsets="database", commit_interval=3600)
+    await produce(kafka.bootstrap_servers, topic, [step("m0")])
+    a = KafkaConsumer(Settings(database_url=url), kafka)
+    await a.start(prefetch=1)
+    try:
+        assert offset(await receive(a)) == 0
+    finally:
+        a._stopping = True  # the crash
+        await a._cancel_tasks()
+        await a._stop_clients()
+    async with consuming(kafka, Settings(database_url=url), prefetch=1) as b:
+        again = await receive(b)
+        assert (offset(again), again.delivery_count, again.suspect) == (0, 1, False)
 
 
 async def test_after_a_clean_hand_over_nothing_is_suspect(
@@ -150,7 +173,7 @@ async def test_after_a_clean_hand_over_nothing_is_suspect(
     ]
     async with member(kafka, url) as b:
         nxt = await receive(b)
-        assert (offset(nxt), nxt.delivery_count) == (1, 1)
+        assert (offset(nxt), nxt.delivery_count, nxt.suspect) == (1, 1, False)
 
 
 @pytest.mark.parametrize("database_url", ["sqlite", "postgresql"], indirect=True)

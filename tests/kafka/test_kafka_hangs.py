@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from tests.kafka.kafka_helpers import MakeTopic, committed, produce
+from tests.kafka.kafka_helpers import (
+    MakeTopic,
+    committed,
+    committed_is,
+    consuming,
+    produce,
+    receive,
+)
 from tests.support.pumps import MakeSettings
 from tests.support.waiting import wait_for
 from worker.brokers.kafka import KafkaConsumer, KafkaSettings
@@ -85,6 +92,26 @@ async def test_a_hung_record_moves_its_partition_to_another_member(
         for broker in members.values():
             await broker.stop_receiving()
             await broker.close()
+
+
+async def test_a_record_whose_work_keeps_it_alive_keeps_its_partition(
+    new_topic: MakeTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
+) -> None:
+    """Issue 21 defect 6: a record may take longer than its hand-out deadline (1.1 s here)
+    when its unit of work says so at each phase; the member must not leave the group over
+    it (it did, and the batch's committed records came back elsewhere)."""
+    topic = await new_topic(1)
+    kafka = kafka_settings(topic, watchdog_margin=0.5, rebalance_grace=1.0, commit_interval=0.05)
+    await produce(bootstrap, topic, [(None, b"{}", {"message-id": "slow"}, 0)])
+    async with consuming(kafka, ShortTimeout()) as broker:
+        delivery = await receive(broker)
+        started = time.monotonic()
+        while time.monotonic() - started < 3.0:  # each phase: 0.5 s (+ the margin)
+            delivery.keep_alive(0.5)
+            await asyncio.sleep(0.3)
+        assert broker.stats["watchdog_leaves"] == 0 and broker.ready
+        await delivery.ack()  # still the partition's owner: not lost
+        await wait_for(lambda: committed_is(bootstrap, kafka.group_id, topic, 1), 10, "commit")
 
 
 async def _committed_0(bootstrap: str, group: str, topic: str) -> bool:

@@ -13,7 +13,7 @@ import pytest
 from tests.kafka.kafka_helpers import KafkaWorker, committed, credit, produce, worker_env
 from tests.support.database import marker_count
 from tests.support.waiting import wait_for
-from worker.brokers.kafka import KafkaConsumer, KafkaSettings
+from worker.brokers.kafka import KafkaConsumer, KafkaSettings, membership
 from worker.settings import Settings
 
 pytestmark = pytest.mark.kafka
@@ -87,3 +87,42 @@ async def test_a_stalled_member_does_not_move_the_committed_offset_back(
 
 async def _equals(value: Awaitable[object], expected: object) -> bool:
     return await value == expected
+
+
+# -- what aiokafka keeps private about the group: one module reads it ------------------
+
+
+async def test_aiokafka_still_holds_what_the_membership_module_reads(
+    new_topic: Callable[[int], Awaitable[str]], kafka_settings: Callable[..., KafkaSettings]
+) -> None:
+    """aiokafka has no public accessor for the generation, the coordinator or a rejoin: an
+    upgrade that moves its private group coordinator fails here, by name, instead of
+    quietly making every commit "stale" and the member never ready."""
+    topic = await new_topic(1)
+    broker = KafkaConsumer(Settings(), kafka_settings(topic))
+    assert membership.generation(None) == -1 and not membership.coordinator_known(None)
+    await broker.start(prefetch=1)
+    try:
+        coordinator = getattr(broker._consumer, "_coordinator", None)
+        assert coordinator is not None, "aiokafka moved AIOKafkaConsumer._coordinator"
+        for name in ("generation", "coordinator_id", "request_rejoin"):
+            assert hasattr(coordinator, name), f"aiokafka's coordinator lost {name!r}"
+        await wait_for(lambda: broker.assignment, 30, "an assignment")
+        assert membership.generation(broker._consumer) >= 0  # Tansu starts at 0, Kafka at 1
+        assert membership.coordinator_known(broker._consumer)
+        await wait_for(lambda: broker.ready, 30, "ready: fetching, the coordinator known")
+        before = broker.stats["rebalances"]
+        assert membership.request_rejoin(broker._consumer)
+        await wait_for(lambda: broker.stats["rebalances"] > before, 30, "the rejoin's rebalance")
+    finally:
+        await broker.close()
+
+
+def test_only_the_membership_module_touches_aiokafkas_private_coordinator() -> None:
+    package = Path(__file__).resolve().parents[2] / "worker"
+    readers = sorted(
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if "_coordinator" in path.read_text()
+    )
+    assert readers == ["brokers/kafka/membership.py"]

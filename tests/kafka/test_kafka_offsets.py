@@ -28,6 +28,7 @@ from tests.kafka.kafka_helpers import (
 from tests.support.processes import arun_cli
 from tests.support.waiting import wait_for
 from worker.brokers.kafka import KafkaConsumer, KafkaSettings
+from worker.delivery import ack_many
 from worker.errors import BrokerUnavailable, ConfigurationError, SettlementLost
 from worker.settings import Settings
 
@@ -182,7 +183,7 @@ async def test_a_failed_dead_letter_send_settles_nothing(
     await produce(bootstrap, topic, [(None, b"{}", {"message-id": f"m{n}"}, 0) for n in range(2)])
     kafka = kafka_settings(topic, commit_interval=0.05)
     async with consuming(kafka) as broker:
-        producer = broker._producer
+        producer = broker.dead_letters.producer
         real_send = producer.send_and_wait
 
         async def broken(*args: Any, **kwargs: Any) -> None:
@@ -204,6 +205,28 @@ async def test_a_failed_dead_letter_send_settles_nothing(
         )
 
 
+async def test_ack_many_settles_each_record_and_returns_only_the_lost_ones(
+    new_topic: MakeTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
+) -> None:
+    """A batch's ack: each record settles on its own, the commit follows the prefix, and a
+    record whose partition is gone (here: the consumer closed before the batch ended) is
+    handed back as lost, not taken as acked."""
+    topic = await new_topic(1)
+    await produce(bootstrap, topic, [(None, b"{}", {"message-id": f"m{n}"}, 0) for n in range(3)])
+    kafka = kafka_settings(topic, commit_interval=0.05)
+    broker = KafkaConsumer(Settings(batch_size=3), kafka)
+    await broker.start(prefetch=3)
+    try:
+        batch = [await receive(broker) for _ in range(3)]  # the whole batch out at once
+        assert await ack_many(batch[:2]) == []
+        await wait_for(lambda: committed_is(bootstrap, kafka.group_id, topic, 2), 10, "commit 2")
+    finally:
+        await broker.stop_receiving()
+        await broker.close()
+    assert await ack_many(batch[2:]) == [batch[2]]
+    assert await committed(bootstrap, kafka.group_id, topic, 1) == {0: 2}
+
+
 async def test_an_unreachable_broker_is_broker_unavailable(
     kafka_settings: Callable[..., KafkaSettings],
 ) -> None:
@@ -212,27 +235,35 @@ async def test_an_unreachable_broker_is_broker_unavailable(
         port = closed.getsockname()[1]
     kafka = kafka_settings("t", bootstrap_servers=f"127.0.0.1:{port}")
     broker = KafkaConsumer(Settings(), kafka)
-    with pytest.raises(BrokerUnavailable, match=f"127.0.0.1:{port}"):
+    with pytest.raises(BrokerUnavailable) as caught:  # the start-up retry tries again
         await broker.start(prefetch=1)
+    where, _, reason = str(caught.value).partition(f"127.0.0.1:{port}: ")
+    assert where == "kafka at " and reason.strip(), str(caught.value)
     assert not broker.ready
     await broker.close()
 
 
-async def test_an_uncounted_nack_does_not_spend_a_delivery(
-    new_topic: MakeTopic, kafka_settings: Callable[..., KafkaSettings], bootstrap: str
+@pytest.mark.parametrize("ordering", ["partition", "key"])
+async def test_an_uncounted_nack_does_not_spend_a_delivery_and_counts_a_give_back(
+    new_topic: MakeTopic,
+    kafka_settings: Callable[..., KafkaSettings],
+    bootstrap: str,
+    ordering: str,
 ) -> None:
     """A delivery count is spent only by the message's own failure: a give-back the
-    record is not to blame for keeps its delivery count."""
+    record is not to blame for keeps its delivery count, and is counted as a give-back
+    (the bound for the paths that spend no count), whichever way the record comes back."""
     topic = await new_topic(1)
     await produce(bootstrap, topic, [(None, b"{}", {"message-id": "m0"}, 0)])
-    async with consuming(kafka_settings(topic)) as broker:
-        counts = []
+    async with consuming(kafka_settings(topic, ordering=ordering)) as broker:
+        seen = []
         for counted in (False, False, True, False, True):
             delivery = await receive(broker)
-            counts.append(delivery.delivery_count)
+            seen.append((delivery.delivery_count, delivery.give_backs))
             await delivery.nack(0.01, counted=counted)
-        counts.append((await receive(broker)).delivery_count)
-    assert counts == [1, 1, 1, 2, 2, 3]
+        last = await receive(broker)
+        seen.append((last.delivery_count, last.give_backs))
+    assert seen == [(1, 0), (1, 1), (1, 2), (2, 2), (2, 3), (3, 3)]
 
 
 async def test_the_buffer_is_bounded_in_bytes_not_only_in_records(

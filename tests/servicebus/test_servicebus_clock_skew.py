@@ -24,7 +24,7 @@ async def test_clock_skew_is_detected_and_logged_at_receive(
     side: str,
 ) -> None:
     await send(bus, msg("a"), msg("b"))
-    monkeypatch.setattr(messages, "_wall", lambda: time.time() + offset)
+    monkeypatch.setattr(messages, "wall", lambda: time.time() + offset)
     with structlog.testing.capture_logs() as logs:
         consumer = await consumers()
         seen = [await take(consumer) for _ in range(2)]

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import structlog
 from azure.servicebus.aio import ServiceBusClient
+from azure.servicebus.exceptions import ServiceBusAuthenticationError, ServiceBusAuthorizationError
 
 from tests.servicebus.fake import Entity, FakeServiceBus
 from tests.servicebus.sb_helpers import StartConsumer
@@ -127,19 +128,54 @@ async def test_worker_broker_servicebus_opens_this_adapter(monkeypatch: pytest.M
     await admin.close()
 
 
-async def test_start_fails_in_one_line_when_the_entity_is_missing(
+async def test_a_missing_entity_stops_the_start_as_a_configuration_error(
     bus: FakeServiceBus, consumers: StartConsumer
 ) -> None:
-    with pytest.raises(BrokerUnavailable, match="MessagingEntityNotFoundError"):
+    """No retry creates the queue: the start-up retry must stop at once, not wait it out."""
+    with pytest.raises(ConfigurationError) as caught:
         await consumers(queue="nowhere")
+    message = str(caught.value)
+    assert "MessagingEntityNotFoundError" in message and "nowhere" in message
+    assert "\n" not in message
 
 
-async def test_a_hanging_open_is_bounded(
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        lambda: ServiceBusAuthenticationError(message="Unauthorized access: token expired"),
+        lambda: ServiceBusAuthorizationError(message="Manage,Listen claims required"),
+    ],
+)
+async def test_refused_credentials_stop_the_start_as_a_configuration_error(
+    bus: FakeServiceBus, queue: Entity, consumers: StartConsumer, refusal: Any
+) -> None:
+    bus.fail("open", refusal)
+    with pytest.raises(ConfigurationError, match="Service Bus entity work: ServiceBusAuth"):
+        await consumers()
+
+
+async def test_a_connection_reset_at_start_is_broker_unavailable_with_its_reason(
+    bus: FakeServiceBus, queue: Entity, consumers: StartConsumer
+) -> None:
+    """Transient: the start-up retry tries again, and its line says why."""
+    bus.fail("open")  # ServiceBusConnectionError
+    with pytest.raises(BrokerUnavailable) as caught:
+        await consumers()
+    assert str(caught.value) == (
+        "Service Bus entity work: ServiceBusConnectionError: open: injected fault"
+    )
+    consumer = await consumers()  # the fault is gone: the next try starts
+    assert consumer.ready
+
+
+async def test_a_hanging_open_is_bounded_and_its_reason_is_never_empty(
     bus: FakeServiceBus, queue: Entity, consumers: StartConsumer
 ) -> None:
     bus.hang("open")
     loop = asyncio.get_running_loop()
     started = loop.time()
-    with pytest.raises(BrokerUnavailable, match="TimeoutError"):
+    with pytest.raises(BrokerUnavailable) as caught:
         await consumers(try_timeout=0.2)
     assert loop.time() - started < 5
+    # TimeoutError() has no text: the line names its type, never "...: " with nothing after
+    assert str(caught.value) == "Service Bus entity work: TimeoutError"

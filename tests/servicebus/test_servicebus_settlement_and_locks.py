@@ -11,6 +11,7 @@ from azure.servicebus.exceptions import MessageLockLostError
 from tests.servicebus.fake import Entity, FakeServiceBus
 from tests.servicebus.sb_helpers import StartConsumer, msg, send, take
 from tests.support.waiting import wait_for
+from worker.delivery import ack_many
 from worker.errors import AlreadySettled, SettlementLost
 
 # -- settlement ---------------------------------------------------------------------------
@@ -35,6 +36,22 @@ async def test_ack_completes_nack_abandons_dead_letter_records_why(
     description = letter.broker_properties["DeadLetterErrorDescription"]
     assert reason == long_reason[:256]
     assert description == f"dead-lettered by the worker on delivery 1: {long_reason}"
+
+
+async def test_ack_many_completes_each_and_returns_only_the_lost_ones(
+    bus: FakeServiceBus, queue: Entity, consumers: StartConsumer
+) -> None:
+    """Batch mode's ack: one complete per message; a refused one is lost, not the batch."""
+    await send(bus, msg("a"), msg("b"), msg("c"))
+    consumer = await consumers()
+    batch = [await take(consumer) for _ in range(3)]
+    by_id = {d.message_id: d for d in batch}
+    bus.fail("complete")  # the first complete of the three is refused
+    lost = await ack_many([by_id["a"], by_id["b"], by_id["c"]])
+    assert lost == [by_id["a"]]
+    assert queue.stats["complete"] == 2 and queue.locked == 1  # "a" comes back later
+    assert {d.settled for d in batch} == {"acked"}  # each settled once, lost or not
+    assert consumer.stats["settlement_lost"] == 1
 
 
 async def test_settling_on_an_expired_lock_is_settlement_lost(

@@ -23,6 +23,7 @@ from tests.support.waiting import wait_for
 from worker.brokers.servicebus import (
     COPIED_AT_PROPERTY,
     DELIVERIES_PROPERTY,
+    GIVE_BACKS_PROPERTY,
     ServiceBusAdmin,
 )
 from worker.errors import SettlementLost
@@ -160,6 +161,40 @@ async def test_a_delayed_uncounted_nack_holds_then_copies(
     await again.ack()
 
 
+async def test_uncounted_give_backs_are_counted_on_the_copy_and_read_back(
+    bus: FakeServiceBus, queue: Entity, consumers: StartConsumer
+) -> None:
+    """The bound for give-backs that spend no delivery: the copy carries how many there
+    were, a counted abandon keeps it, and handlers never see the property."""
+    await send(bus, msg("m"))
+    consumer = await consumers()
+    seen = []
+    for counted in (False, False, True, False):
+        delivery = await take(consumer)
+        seen.append((delivery.delivery_count, delivery.give_backs))
+        await delivery.nack(counted=counted)
+    last = await take(consumer)
+    seen.append((last.delivery_count, last.give_backs))
+    assert seen == [(1, 0), (1, 1), (1, 2), (2, 2), (2, 3)]
+    assert GIVE_BACKS_PROPERTY not in last.headers and DELIVERIES_PROPERTY not in last.headers
+    await last.ack()
+
+
+async def test_messages_the_worker_returns_on_its_own_keep_their_give_backs(
+    bus: FakeServiceBus, queue: Entity, consumers: StartConsumer
+) -> None:
+    """Fetched and never taken (a stop): the worker's own return, not the pump's verdict."""
+    await send(bus, msg("m"))
+    first = await consumers(slots=1)
+    await (await take(first)).nack(counted=False)  # the pump's give-back: 1
+    await wait_for(lambda: queue.locked == 1, 10, "the copy fetched, not taken")
+    await first.stop_receiving()  # given back uncounted by the consumer itself
+    successor = await consumers(slots=1)
+    again = await take(successor)
+    assert (again.delivery_count, again.give_backs) == (1, 1)
+    await again.ack()
+
+
 # -- the carried count: only on the worker's own copy --------------------------------
 
 
@@ -169,17 +204,29 @@ async def test_a_dead_letter_moved_back_by_an_operator_tool_starts_fresh(
     # An operator tool's copy of a dead letter the worker's give-back produced an hour
     # ago: the worker's properties came along, but the broker enqueued it just now.
     an_hour_ago = str(int((time.time() - 3600) * 1000))
-    copied: dict[str, str | int] = {DELIVERIES_PROPERTY: 4, COPIED_AT_PROPERTY: an_hour_ago}
+    copied: dict[str, str | int] = {
+        DELIVERIES_PROPERTY: 4,
+        GIVE_BACKS_PROPERTY: 7,
+        COPIED_AT_PROPERTY: an_hour_ago,
+    }
     moved = msg("m", **copied)
     forged = msg("f", **{DELIVERIES_PROPERTY: "four", COPIED_AT_PROPERTY: "now"})
-    await send(bus, moved, forged)
+    fresh = str(int(time.time() * 1000))  # a stamp the worker's own copy could carry
+    unreadable: dict[str, str | int] = {
+        DELIVERIES_PROPERTY: 1,
+        GIVE_BACKS_PROPERTY: "x",
+        COPIED_AT_PROPERTY: fresh,
+    }
+    odd = msg("g", **unreadable)
+    await send(bus, moved, forged, odd)
     consumer = await consumers()
     with structlog.testing.capture_logs() as logs:
-        counts = {d.message_id: d.delivery_count for d in [await take(consumer) for _ in "mf"]}
-    assert counts == {"m": 1, "f": 1}
-    assert consumer.stats["carried_count_ignored"] == 2
+        taken = [await take(consumer) for _ in "mfg"]
+    counts = {d.message_id: (d.delivery_count, d.give_backs) for d in taken}
+    assert counts == {"m": (1, 0), "f": (1, 0), "g": (1, 0)}
+    assert consumer.stats["carried_count_ignored"] == 3
     ignored = [e for e in logs if e["event"].startswith("servicebus carried delivery count")]
-    assert {e["message_id"] for e in ignored} == {"m", "f"}
+    assert {e["message_id"] for e in ignored} == {"m", "f", "g"}
 
 
 async def test_worker_dlq_resubmit_of_a_given_back_message_starts_fresh(

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from worker.brokers import IdentityFunc, load_identity
-from worker.brokers.publishers import Outgoing
+from worker.brokers.outgoing import Outgoing
 from worker.delivery import Delivery
 from worker.errors import ConfigurationError, SettlementLost
 

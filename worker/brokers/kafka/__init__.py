@@ -3,15 +3,22 @@
 The adapter, one module per role:
 
 - :mod:`~worker.brokers.kafka.settings`: ``WORKER_KAFKA_*``, their cross-checks, and
-  starting a producer (with the error that names the setting a broker refuses);
+  starting a client (with the error that says whether a retry can help, and names the
+  setting a broker refuses);
 - :mod:`~worker.brokers.kafka.records`: reading a record (header text, the dedup key,
   CloudEvents) and the names of the dead-letter headers;
-- :mod:`~worker.brokers.kafka.consumer`: :class:`KafkaConsumer`, the group member the pump
-  consumes from, and how the settlement verbs map onto offsets;
-- :mod:`~worker.brokers.kafka.partitions`: its bookkeeping per owned partition and per
-  record handed out;
-- :mod:`~worker.brokers.kafka.offsets`: ``WORKER_KAFKA_OFFSETS=database``, the offsets
-  kept in the ``consumer_offsets`` table and fenced by an epoch;
+- :mod:`~worker.brokers.kafka.consumer`: :class:`KafkaConsumer`, the transport the pump
+  consumes from (fetching, flow control, hand-out, rebalances) and how the settlement
+  verbs map onto offsets;
+- :mod:`~worker.brokers.kafka.partitions`: its bookkeeping per owned partition, per
+  record handed out, and the in-memory delivery counts;
+- :mod:`~worker.brokers.kafka.store`: the offset store: commits to Kafka, or the
+  ``consumer_offsets`` rows when offsets or delivery counts live in the database;
+- :mod:`~worker.brokers.kafka.offsets`: those rows' statements and their epoch fence;
+- :mod:`~worker.brokers.kafka.watchdog`: a member holding a hung record leaves the group;
+- :mod:`~worker.brokers.kafka.deadletters`: producing dead letters, reduced if need be;
+- :mod:`~worker.brokers.kafka.membership`: the one place that reads aiokafka's private
+  group coordinator (the generation, the coordinator, a rejoin);
 - :mod:`~worker.brokers.kafka.admin`: :class:`KafkaAdmin`, ``worker publish`` and
   ``worker dlq``;
 - :mod:`~worker.brokers.kafka.publisher`: :class:`KafkaPublisher`, the outbox relay's.

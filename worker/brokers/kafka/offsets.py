@@ -36,7 +36,6 @@ from worker.errors import SettlementLost
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
-    from sqlalchemy.orm import Session
 
 
 class ConsumerOffset(Base):
@@ -166,13 +165,6 @@ async def store(session: AsyncSession, slot: Slot, next_offset: int | None) -> N
     ``None`` moves nothing and only checks (and locks) the row.
     """
     result: Any = await session.execute(_STORE, slot.params(n=next_offset))
-    if result.rowcount != 1:
-        raise _fenced(slot)
-
-
-def store_sync(session: Session, slot: Slot, next_offset: int) -> None:
-    """:func:`store` from inside a commit (a ``before_commit`` step)."""
-    result: Any = session.execute(_STORE, slot.params(n=next_offset))
     if result.rowcount != 1:
         raise _fenced(slot)
 

@@ -200,3 +200,47 @@ class Handle:
         self.record = record
         self.attempt = attempt
         self.message_id = message_id
+
+
+class Tally:
+    """Per record this process read: its deliveries so far and its uncounted give-backs.
+
+    Kafka keeps neither, so both live here, in memory, keyed by (partition, offset). They
+    survive a rebalance that gives a partition back to this process (not a restart, not
+    a move to another member), and a record's entry goes when it settles.
+    """
+
+    __slots__ = ("_records",)
+
+    def __init__(self) -> None:
+        self._records: dict[Any, dict[int, list[int]]] = {}  # tp -> offset -> [spent, give-backs]
+
+    def _entry(self, tp: Any, offset: int) -> list[int]:
+        return self._records.get(tp, {}).get(offset, [0, 0])
+
+    def attempts(self, tp: Any, offset: int) -> int:
+        """Deliveries spent so far (the next one is this + 1)."""
+        return self._entry(tp, offset)[0]
+
+    def give_backs(self, tp: Any, offset: int) -> int:
+        return self._entry(tp, offset)[1]
+
+    def nacked(self, tp: Any, offset: int, attempt: int, counted: bool) -> None:
+        """Delivery ``attempt`` was given back; one the record is not to blame for keeps
+        its number (the next delivery is ``attempt`` again) and counts as a give-back."""
+        entry = self._records.setdefault(tp, {}).setdefault(offset, [0, 0])
+        entry[0] = attempt if counted else attempt - 1
+        if not counted:
+            entry[1] += 1
+
+    def settled(self, tp: Any, offset: int) -> None:
+        records = self._records.get(tp)
+        if records:
+            records.pop(offset, None)
+
+    def forget_before(self, tp: Any, offset: int) -> None:
+        """Entries below where a fresh assignment starts belong to records settled elsewhere."""
+        records = self._records.get(tp)
+        if records:
+            for old in [o for o in records if o < offset]:
+                del records[old]

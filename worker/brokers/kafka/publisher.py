@@ -25,7 +25,7 @@ from worker.errors import BrokerUnavailable
 
 if TYPE_CHECKING:
     from worker.brokers.kafka.settings import KafkaSettings
-    from worker.brokers.publishers import Outgoing
+    from worker.brokers.outgoing import Outgoing
 
 
 class KafkaPublisher:

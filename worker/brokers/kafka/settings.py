@@ -1,16 +1,33 @@
-"""``WORKER_KAFKA_*``: the settings, their cross-checks, and starting a producer with them.
+"""``WORKER_KAFKA_*``: the settings, their cross-checks, and starting a client with them.
 
 Everything that talks to Kafka (the consumer, ``worker publish`` and ``worker dlq``, the
-outbox relay's publisher) connects with these options, so a bad value or a broker that
-refuses the producer mode fails once, here, with one line that names the setting.
+outbox relay's publisher) connects with these options, so a bad value, a refused login
+or a broker that refuses the producer mode fails once, here, with one line that names
+the setting. A failed start is :class:`~worker.errors.BrokerUnavailable` when trying
+again may succeed (the brokers are away) and :class:`~worker.errors.ConfigurationError`
+when it cannot (credentials or a certificate refused, the idempotent producer refused).
 """
 
 from __future__ import annotations
 
+import asyncio
+import ssl
 from typing import Any, Literal
 
 from aiokafka import AIOKafkaProducer  # type: ignore[import-untyped]
-from aiokafka.errors import KafkaConnectionError, KafkaError  # type: ignore[import-untyped]
+from aiokafka.conn import collect_hosts, create_conn  # type: ignore[import-untyped]
+from aiokafka.errors import (  # type: ignore[import-untyped]
+    AuthenticationFailedError,
+    AuthenticationMethodNotSupported,
+    ClusterAuthorizationFailedError,
+    GroupAuthorizationFailedError,
+    IllegalSaslStateError,
+    KafkaConnectionError,
+    KafkaError,
+    SaslAuthenticationFailed,
+    TopicAuthorizationFailedError,
+    UnsupportedSaslMechanismError,
+)
 from aiokafka.helpers import create_ssl_context  # type: ignore[import-untyped]
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -151,6 +168,37 @@ def load_kafka_settings() -> KafkaSettings:
     return kafka
 
 
+# Refusals that come back the same however often the start is tried: the login, the
+# certificate or the principal's rights are wrong, not the network.
+_REFUSED: tuple[type[BaseException], ...] = (
+    SaslAuthenticationFailed,
+    AuthenticationFailedError,
+    AuthenticationMethodNotSupported,
+    UnsupportedSaslMechanismError,
+    IllegalSaslStateError,
+    GroupAuthorizationFailedError,
+    TopicAuthorizationFailedError,
+    ClusterAuthorizationFailedError,
+    ssl.SSLCertVerificationError,
+)
+
+
+def describe(exc: BaseException) -> str:
+    """An error's type and text, never empty (KafkaError's text already names its type)."""
+    text = str(exc)
+    if isinstance(exc, KafkaError) or not text:
+        return text or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"
+
+
+async def start_client(kafka: KafkaSettings, client: Any, *, producer: bool = False) -> None:
+    """``client.start()``, or the one-line error that says what its failure means."""
+    try:
+        await client.start()
+    except Exception as exc:  # aiokafka lets a failed SASL exchange escape as KeyError & co
+        raise await start_error(kafka, exc, producer=producer) from None
+
+
 async def start_producer(kafka: KafkaSettings, *, request_timeout: float | None = None) -> Any:
     """A started ``acks=all`` producer (idempotent unless switched off), or a one-line error.
 
@@ -162,26 +210,71 @@ async def start_producer(kafka: KafkaSettings, *, request_timeout: float | None 
         options["request_timeout_ms"] = max(1, int(request_timeout * 1000))
     producer = AIOKafkaProducer(acks="all", enable_idempotence=kafka.idempotent_producer, **options)
     try:
-        await producer.start()
-    except KafkaError as exc:
+        await start_client(kafka, producer, producer=True)
+    except (BrokerUnavailable, ConfigurationError):
         await producer.stop()
-        raise start_error(kafka, exc) from None
+        raise
     return producer
 
 
-def start_error(kafka: KafkaSettings, exc: Exception) -> Exception:
-    """What a failed producer start means: the brokers are away, or refuse the producer mode.
+async def start_error(
+    kafka: KafkaSettings, exc: Exception, *, producer: bool = False
+) -> BrokerUnavailable | ConfigurationError:
+    """What a failed start means: try again later, or fix the configuration.
 
-    Past the bootstrap, a producer start fails only in InitProducerId, which the
-    idempotent producer needs and some brokers (old ones, some Kafka-compatible
-    ones, a principal without IDEMPOTENT_WRITE) refuse, with errors as vague as
-    ``UnknownError``: name the setting that avoids it.
+    - A refused login or certificate (:data:`_REFUSED`), or, with SASL, the exchange
+      failing inside aiokafka (its SCRAM code raises ``KeyError``/``ValueError`` when
+      the server answers with an error): the configuration. aiokafka's bootstrap logs
+      why each server refused and raises only "Unable to bootstrap", so with SASL or TLS
+      one server is asked again (:func:`connect_once`) for the reason.
+    - A producer start past the bootstrap fails only in InitProducerId, which the
+      idempotent producer needs and some brokers (old ones, some Kafka-compatible ones,
+      a principal without IDEMPOTENT_WRITE) refuse, with errors as vague as
+      ``UnknownError``: name the setting that avoids it.
+    - Anything else (unreachable, reset, timed out): the brokers are away.
     """
     where = f"kafka at {kafka.bootstrap_servers}"
-    if kafka.idempotent_producer and not isinstance(exc, KafkaConnectionError):
+    if isinstance(exc, KafkaConnectionError) and kafka.security_protocol != "PLAINTEXT":
+        cause = await connect_once(kafka)
+        exc = cause if cause is not None and _refusal(kafka, cause) else exc
+    if _refusal(kafka, exc):
         return ConfigurationError(
-            f"{where} refused the idempotent producer ({type(exc).__name__}: {exc}); the broker "
-            "may not support it or not allow it (IDEMPOTENT_WRITE): set "
+            f"{where} refused the login ({describe(exc)}): check WORKER_KAFKA_SECURITY_PROTOCOL,"
+            " WORKER_KAFKA_SASL_* and WORKER_KAFKA_SSL_*"
+        )
+    idempotent = producer and kafka.idempotent_producer
+    if idempotent and isinstance(exc, KafkaError) and not isinstance(exc, KafkaConnectionError):
+        return ConfigurationError(
+            f"{where} refused the idempotent producer ({type(exc).__name__}: {exc}); the "
+            "broker may not support it or not allow it (IDEMPOTENT_WRITE): set "
             "WORKER_KAFKA_IDEMPOTENT_PRODUCER=false to use a plain producer (acks=all)"
         )
-    return BrokerUnavailable(f"{where}: {exc}")
+    return BrokerUnavailable(f"{where}: {describe(exc)}")
+
+
+def _refusal(kafka: KafkaSettings, exc: Exception) -> bool:
+    sasl = kafka.security_protocol.startswith("SASL")
+    return isinstance(exc, _REFUSED) or (sasl and isinstance(exc, KeyError | ValueError))
+
+
+async def connect_once(kafka: KafkaSettings) -> Exception | None:
+    """Open (and close) one connection to each bootstrap server in turn: the first
+    failure, with its real cause, or None when one server let the connection in."""
+    options = kafka.client_options()
+    for host, port, _family in collect_hosts(kafka.bootstrap_servers, randomize=False):
+        try:
+            async with asyncio.timeout(kafka.commit_timeout):
+                connection = await create_conn(
+                    host,
+                    port,
+                    client_id=kafka.client_id,
+                    ssl_context=options.get("ssl_context"),
+                    security_protocol=kafka.security_protocol,
+                    sasl_mechanism=options.get("sasl_mechanism"),
+                    sasl_plain_username=options.get("sasl_plain_username"),
+                    sasl_plain_password=options.get("sasl_plain_password"),
+                )
+        except Exception as exc:
+            return exc
+        connection.close()
+    return None

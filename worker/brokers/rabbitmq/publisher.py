@@ -14,7 +14,7 @@ from typing import Any
 import aio_pika
 from aiormq.exceptions import AMQPError, ChannelNotFoundEntity, DeliveryError
 
-from worker.brokers.publishers import Outgoing
+from worker.brokers.outgoing import Outgoing
 from worker.brokers.rabbitmq.settings import RabbitMQSettings, _connect_args, _start_failure
 from worker.errors import BrokerUnavailable
 from worker.logs import scrub

@@ -7,8 +7,14 @@ the outbox relay :func:`open_publisher`.
 - :mod:`~worker.brokers.servicebus.settings`: ``WORKER_SERVICEBUS_*``;
 - :mod:`~worker.brokers.servicebus.client`: the SDK surface the adapter calls, and clients;
 - :mod:`~worker.brokers.servicebus.messages`: identity, properties, body, type, copies;
-- :mod:`~worker.brokers.servicebus.consumer`: the pump's Broker (links, locks, renewal,
-  settlement) and the verb mapping;
+- :mod:`~worker.brokers.servicebus.consumer`: the pump's Broker (receiving, settlement)
+  and the verb mapping;
+- :mod:`~worker.brokers.servicebus.links`: a client and its receiver, opened, retired,
+  closed, and what a failed first open means;
+- :mod:`~worker.brokers.servicebus.locks`: the lock per message held, and its renewal;
+- :mod:`~worker.brokers.servicebus.clock`: broker timestamps against the local clock;
+- :mod:`~worker.brokers.servicebus.giveback`: the uncounted give-back's confirmed copy,
+  and the counts it carries;
 - :mod:`~worker.brokers.servicebus.admin`: ``worker publish`` and ``worker dlq``;
 - :mod:`~worker.brokers.servicebus.publisher`: the outbox relay's publishing.
 
@@ -32,6 +38,7 @@ from worker.brokers.servicebus.consumer import ServiceBusConsumer
 from worker.brokers.servicebus.messages import (
     COPIED_AT_PROPERTY,
     DELIVERIES_PROPERTY,
+    GIVE_BACKS_PROPERTY,
     TypeResolver,
     application_properties,
     body_of,
@@ -47,6 +54,7 @@ if TYPE_CHECKING:
 __all__ = [
     "COPIED_AT_PROPERTY",
     "DELIVERIES_PROPERTY",
+    "GIVE_BACKS_PROPERTY",
     "Client",
     "ClientFactory",
     "Connector",

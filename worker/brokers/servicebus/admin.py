@@ -17,20 +17,20 @@ from azure.servicebus.exceptions import MessageSizeExceededError, ServiceBusErro
 
 from worker.brokers import DEFAULT_SCAN, DeadLetterFilter, DeadLetterInfo, OutgoingMessage
 from worker.brokers.servicebus.client import (
-    _SEND_CHUNK,
+    SEND_CHUNK,
     Client,
     ClientFactory,
     Receiver,
     Sender,
-    _describe,
-    _quietly,
+    describe,
+    quietly,
 )
 from worker.brokers.servicebus.messages import (
     TypeResolver,
-    _copy,
     application_properties,
     body_of,
     default_message_id,
+    resubmission,
 )
 from worker.brokers.servicebus.settings import ServiceBusSettings
 from worker.errors import BrokerUnavailable
@@ -102,8 +102,8 @@ class ServiceBusAdmin:
     async def send(self, messages: list[ServiceBusMessage]) -> int:
         sender = self._sender()
         try:
-            for start in range(0, len(messages), _SEND_CHUNK):
-                chunk = messages[start : start + _SEND_CHUNK]
+            for start in range(0, len(messages), SEND_CHUNK):
+                chunk = messages[start : start + SEND_CHUNK]
                 try:
                     await sender.send_messages(chunk)
                 except MessageSizeExceededError:  # the chunk is over the batch limit: one by one
@@ -135,7 +135,7 @@ class ServiceBusAdmin:
                     letters.extend(f for f in found if match is None or match(f))
                     sequence = (page[-1].sequence_number or 0) + 1
         finally:
-            await _quietly(receiver.close())
+            await quietly(receiver.close())
         return letters[:limit]
 
     def _info(self, message: ServiceBusReceivedMessage) -> DeadLetterInfo:
@@ -171,7 +171,7 @@ class ServiceBusAdmin:
                 while moved < limit and scanned < scan:
                     wanted = limit - moved if match is None else scan - scanned
                     batch = await receiver.receive_messages(
-                        min(_SEND_CHUNK, wanted), max_wait_time=self.settings.receive_wait
+                        min(SEND_CHUNK, wanted), max_wait_time=self.settings.receive_wait
                     )
                     if not batch:
                         break
@@ -184,14 +184,14 @@ class ServiceBusAdmin:
                         else:
                             held.append(message)
                     if chosen:
-                        await self.send([_copy(message) for message in chosen])
+                        await self.send([resubmission(message) for message in chosen])
                         for message in chosen:
                             await receiver.complete_message(message)
                         moved += len(chosen)
         finally:
             for message in held:
-                await _quietly(receiver.abandon_message(message))
-            await _quietly(receiver.close())
+                await quietly(receiver.abandon_message(message))
+            await quietly(receiver.close())
         return moved
 
     @contextlib.asynccontextmanager
@@ -201,11 +201,11 @@ class ServiceBusAdmin:
             yield
         except ServiceBusError as exc:
             entity = self.settings.queue or f"{self.settings.topic}/{self.settings.subscription}"
-            raise BrokerUnavailable(f"service bus {entity!r}, {what}: {_describe(exc)}") from None
+            raise BrokerUnavailable(f"service bus {entity!r}, {what}: {describe(exc)}") from None
 
     async def close(self) -> None:
         if self._client is not None:
-            await _quietly(self._client.close())
+            await quietly(self._client.close())
         if self._on_close is not None:
             await self._on_close()
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     from worker.brokers.servicebus.settings import ServiceBusSettings
 
-_SEND_CHUNK = 100  # messages per send_messages call, at most
+SEND_CHUNK = 100  # messages per send_messages call, at most
 
 
 class Receiver(Protocol):
@@ -114,11 +114,13 @@ def _default_credential() -> Any:
     return identity.DefaultAzureCredential()
 
 
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+def describe(exc: BaseException) -> str:
+    """An SDK error as one line: its type, and its text when it has one (never empty)."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-async def _quietly(closing: Awaitable[Any]) -> None:
+async def quietly(closing: Awaitable[Any]) -> None:
     """Close something that may already be broken; there is nobody to report a failure to."""
     try:
         async with asyncio.timeout(10.0):
@@ -127,4 +129,13 @@ async def _quietly(closing: Awaitable[Any]) -> None:
         pass
 
 
-__all__ = ["Client", "ClientFactory", "Connector", "Receiver", "Sender"]
+__all__ = [
+    "SEND_CHUNK",
+    "Client",
+    "ClientFactory",
+    "Connector",
+    "Receiver",
+    "Sender",
+    "describe",
+    "quietly",
+]

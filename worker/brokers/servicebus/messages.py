@@ -2,8 +2,9 @@
 made of it (the uncounted give-back's, and a re-submitted dead letter's).
 
 Shared by the consumer and the operator tools, so a delivery and a listed dead
-letter read the same fields the same way. ``x-worker-deliveries`` and
-``x-worker-copied-at`` are the worker's own properties: handlers never see them.
+letter read the same fields the same way. ``x-worker-deliveries``,
+``x-worker-give-backs`` and ``x-worker-copied-at`` are the worker's own properties:
+handlers never see them, and a re-submitted dead letter carries none of them.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ if TYPE_CHECKING:
 DEAD_LETTER_REASON = b"DeadLetterReason"
 DEAD_LETTER_DESCRIPTION = b"DeadLetterErrorDescription"
 DELIVERIES_PROPERTY = "x-worker-deliveries"  # deliveries spent before an uncounted give-back
+GIVE_BACKS_PROPERTY = "x-worker-give-backs"  # uncounted give-backs so far, that one included
 COPIED_AT_PROPERTY = "x-worker-copied-at"  # epoch ms (a string) when the worker sent that copy
-_WORKER_PROPERTIES = (DELIVERIES_PROPERTY, COPIED_AT_PROPERTY)
+_WORKER_PROPERTIES = (DELIVERIES_PROPERTY, GIVE_BACKS_PROPERTY, COPIED_AT_PROPERTY)
 
 
 def default_message_id(message: ServiceBusReceivedMessage) -> str | None:
@@ -32,7 +34,7 @@ def default_message_id(message: ServiceBusReceivedMessage) -> str | None:
     return str(message_id)
 
 
-def _text(value: Any) -> Any:
+def text(value: Any) -> Any:
     """Keys and string values come back from the wire as bytes."""
     if isinstance(value, bytes):
         try:
@@ -43,25 +45,28 @@ def _text(value: Any) -> Any:
 
 
 def application_properties(message: ServiceBusReceivedMessage) -> dict[str, Any]:
-    return {str(_text(k)): _text(v) for k, v in (message.application_properties or {}).items()}
+    return {str(text(k)): text(v) for k, v in (message.application_properties or {}).items()}
 
 
-def _headers(message: ServiceBusReceivedMessage) -> dict[str, Any]:
+def handler_headers(message: ServiceBusReceivedMessage) -> dict[str, Any]:
     """What a handler sees: the application properties without the worker's own."""
     properties = application_properties(message)
     return {k: v for k, v in properties.items() if k not in _WORKER_PROPERTIES}
 
 
-def _wall() -> float:
+def wall() -> float:
     """The local wall clock, the one the SDK's lock checks use (tests move it)."""
     return time.time()
 
 
-def _given_back(message: ServiceBusReceivedMessage, spent: int) -> ServiceBusMessage:
-    """The copy an uncounted give-back sends: the same message, plus the count so far."""
-    properties: dict[str | bytes, Any] = {k: v for k, v in _headers(message).items()}
+def given_back(
+    message: ServiceBusReceivedMessage, spent: int, give_backs: int
+) -> ServiceBusMessage:
+    """The copy an uncounted give-back sends: the same message, plus the counts so far."""
+    properties: dict[str | bytes, Any] = {k: v for k, v in handler_headers(message).items()}
     properties[DELIVERIES_PROPERTY] = spent
-    properties[COPIED_AT_PROPERTY] = str(int(_wall() * 1000))  # an int would overflow AMQP's
+    properties[GIVE_BACKS_PROPERTY] = give_backs
+    properties[COPIED_AT_PROPERTY] = str(int(wall() * 1000))  # an int would overflow AMQP's
     copy = ServiceBusMessage(
         body_of(message),
         application_properties=properties,
@@ -102,11 +107,13 @@ class TypeResolver:
         for key in self._keys:
             value = properties.get(key)
             if value:
-                return str(_text(value))
+                return str(text(value))
         return message.subject or self._fallback
 
 
-def _copy(message: ServiceBusReceivedMessage) -> ServiceBusMessage:
+def resubmission(message: ServiceBusReceivedMessage) -> ServiceBusMessage:
+    """The copy ``worker dlq --resubmit`` sends back: without the dead-letter reason and
+    without the worker's own properties."""
     properties: dict[str | bytes, Any] = {
         k: v
         for k, v in application_properties(message).items()
@@ -128,8 +135,14 @@ __all__ = [
     "DEAD_LETTER_DESCRIPTION",
     "DEAD_LETTER_REASON",
     "DELIVERIES_PROPERTY",
+    "GIVE_BACKS_PROPERTY",
     "TypeResolver",
     "application_properties",
     "body_of",
     "default_message_id",
+    "given_back",
+    "handler_headers",
+    "resubmission",
+    "text",
+    "wall",
 ]

@@ -1,4 +1,4 @@
-"""The outbox relay's Service Bus :class:`~worker.brokers.publishers.Publisher`.
+"""The outbox relay's Service Bus :class:`~worker.brokers.outgoing.Publisher`.
 
 Senders of its own, one per destination entity (a relay may run without a consumer);
 ``send_messages`` returning is the broker's confirm, so a row leaves the outbox only
@@ -20,7 +20,7 @@ from azure.servicebus.exceptions import (
     ServiceBusError,
 )
 
-from worker.brokers.publishers import Outgoing
+from worker.brokers.outgoing import Outgoing
 from worker.brokers.servicebus.client import ClientFactory, Sender
 from worker.brokers.servicebus.settings import ServiceBusSettings
 from worker.errors import BrokerUnavailable
