@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from worker.errors import AlreadySettled
@@ -10,9 +10,6 @@ from worker.logs import scrub
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
-
-InTransaction = Callable[["AsyncSession"], Awaitable[None]]
-
 
 class Settler(Protocol):
     """How one broker settles a delivery; ``handle`` is the adapter's own object.
@@ -73,7 +70,6 @@ class Delivery:
         "give_backs",
         "group",
         "headers",
-        "in_transaction",
         "message_id",
         "settled",
         "suspect",
@@ -104,7 +100,6 @@ class Delivery:
         self.give_backs = give_backs
         self.settled: str | None = None
         self.group: Hashable = None
-        self.in_transaction: InTransaction | None = None
 
     @property
     def redelivered(self) -> bool:
