@@ -87,8 +87,9 @@ async def test_a_killer_is_dead_lettered_alone_after_max_deliveries_deaths(
     print(f"\nkiller ({batch_size=}, {killers=}): {report}")
     assert dead == sorted(killers), report  # 0 valid messages dead-lettered
     assert await balances(pg) == {f"acct-{n}": Decimal(VALID // 10) for n in range(10)}
+    # each killer started exactly WORKER_MAX_DELIVERIES times, each start a death (two
+    # killers running at the same moment would share one)
+    assert deaths == dict.fromkeys(killers, MAX_DELIVERIES), report
+    assert restarts <= sum(deaths.values()), report
     if len(killers) == 1:
-        assert deaths == {killers[0]: MAX_DELIVERIES} and restarts == MAX_DELIVERIES, report
-    else:  # each killer is started at most MAX_DELIVERIES times; two may die together
-        assert all(1 <= deaths[k] <= MAX_DELIVERIES for k in killers), report
-        assert sum(deaths.values()) >= restarts, report
+        assert restarts == MAX_DELIVERIES, report
