@@ -24,7 +24,7 @@ CONCURRENCY = 16
 
 async def drain(bootstrap: str, topic: str, ordering: str, total: int, handler_s: float) -> float:
     kafka = settings_for(bootstrap, topic, ordering=ordering, commit_interval=0.2)
-    broker = KafkaConsumer(Settings(), kafka)
+    broker = KafkaConsumer(Settings(delivery_counts="broker"), kafka)
     await broker.start(prefetch=CONCURRENCY)
     done = 0
     finished = asyncio.Event()

@@ -53,7 +53,7 @@ async def consuming(
     kafka: KafkaSettings, settings: Settings | None = None, *, prefetch: int = 4
 ) -> AsyncIterator[KafkaConsumer]:
     """A started consumer without a pump: the test takes its deliveries with :func:`receive`."""
-    broker = KafkaConsumer(settings or Settings(), kafka)
+    broker = KafkaConsumer(settings or transport_settings(), kafka)
     await broker.start(prefetch=prefetch)
     try:
         yield broker
@@ -270,3 +270,10 @@ def stats(worker: WorkerProcess) -> dict[str, Any]:
     stopped = worker.events("pump stopped")
     assert stopped, f"{worker.log_path.name}: no 'pump stopped' line"
     return stopped[-1]
+
+
+def transport_settings(**overrides: Any) -> Settings:
+    """Settings for a test of the Kafka transport alone: delivery counts from the adapter
+    (no database behind the consumer), unless the test asks otherwise."""
+    values: dict[str, Any] = {"delivery_counts": "broker", **overrides}
+    return Settings(**values)

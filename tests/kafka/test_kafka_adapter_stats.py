@@ -12,10 +12,9 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.kafka.kafka_helpers import MakeTopic, consuming, produce, receive
+from tests.kafka.kafka_helpers import MakeTopic, consuming, produce, receive, transport_settings
 from tests.support.waiting import wait_for
 from worker.brokers.kafka import KafkaConsumer, KafkaSettings
-from worker.settings import Settings
 
 pytestmark = pytest.mark.kafka
 
@@ -23,8 +22,8 @@ pytestmark = pytest.mark.kafka
 def test_the_destination_is_the_topics_consumed(
     kafka_settings: Callable[..., KafkaSettings],
 ) -> None:
-    assert KafkaConsumer(Settings(), kafka_settings("orders")).destination == "orders"
-    several = KafkaConsumer(Settings(), kafka_settings(" orders, payments ,"))
+    assert KafkaConsumer(transport_settings(), kafka_settings("orders")).destination == "orders"
+    several = KafkaConsumer(transport_settings(), kafka_settings(" orders, payments ,"))
     assert several.destination == "orders,payments"
     assert several.stats == Counter()  # nothing happened yet
 

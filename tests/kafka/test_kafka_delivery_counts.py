@@ -32,15 +32,15 @@ def test_delivery_count_settings_are_checked_with_one_line_naming_the_variable(
         load(Settings)
     message = str(caught.value)
     assert message.startswith("WORKER_DELIVERY_COUNTS='disk': ") and "\n" not in message
-    monkeypatch.setenv("WORKER_DELIVERY_COUNTS", "database")
+    monkeypatch.setenv("WORKER_DELIVERY_COUNTS", "broker")
     monkeypatch.setenv("WORKER_COUNT_FIRST_DELIVERIES", "maybe")
     with pytest.raises(ConfigurationError) as caught:
         load(Settings)
     assert str(caught.value).startswith("WORKER_COUNT_FIRST_DELIVERIES='maybe': ")
     monkeypatch.delenv("WORKER_COUNT_FIRST_DELIVERIES")
-    assert load(Settings).delivery_counts == "database"
+    assert load(Settings).delivery_counts == "broker"
     monkeypatch.delenv("WORKER_DELIVERY_COUNTS")
-    assert load(Settings).delivery_counts == "broker"  # off unless asked for
+    assert load(Settings).delivery_counts == "database"  # started attempts, unless told
 
 
 class Step(BaseModel):
@@ -145,7 +145,7 @@ async def test_without_durable_counts_nothing_is_known_to_be_suspect(
     url, topic = postgres_only_url, await new_topic(1)
     kafka = kafka_settings(topic, offsets="database", commit_interval=3600)
     await produce(kafka.bootstrap_servers, topic, [step("m0")])
-    a = KafkaConsumer(Settings(database_url=url), kafka)
+    a = KafkaConsumer(Settings(database_url=url, delivery_counts="broker"), kafka)
     await a.start(prefetch=1)
     try:
         assert offset(await receive(a)) == 0
@@ -153,7 +153,8 @@ async def test_without_durable_counts_nothing_is_known_to_be_suspect(
         a._stopping = True  # the crash
         await a._cancel_tasks()
         await a._stop_clients()
-    async with consuming(kafka, Settings(database_url=url), prefetch=1) as b:
+    unsure = Settings(database_url=url, delivery_counts="broker")
+    async with consuming(kafka, unsure, prefetch=1) as b:
         again = await receive(b)
         assert (offset(again), again.delivery_count, again.suspect) == (0, 1, False)
 

@@ -10,11 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.kafka.kafka_helpers import KafkaWorker, committed, credit, produce, worker_env
+from tests.kafka.kafka_helpers import (
+    KafkaWorker,
+    committed,
+    credit,
+    produce,
+    transport_settings,
+    worker_env,
+)
 from tests.support.database import marker_count
 from tests.support.waiting import wait_for
 from worker.brokers.kafka import KafkaConsumer, KafkaSettings, membership
-from worker.settings import Settings
 
 pytestmark = pytest.mark.kafka
 
@@ -52,7 +58,7 @@ async def test_a_stalled_member_does_not_move_the_committed_offset_back(
 
     a.signal(signal.SIGSTOP)
     try:
-        b = KafkaConsumer(Settings(), kafka_settings(topic, commit_interval=0.1))
+        b = KafkaConsumer(transport_settings(), kafka_settings(topic, commit_interval=0.1))
         await b.start(prefetch=1)
         try:
             await produce(bootstrap, topic, credits(5, 10))
@@ -99,7 +105,7 @@ async def test_aiokafka_still_holds_what_the_membership_module_reads(
     upgrade that moves its private group coordinator fails here, by name, instead of
     quietly making every commit "stale" and the member never ready."""
     topic = await new_topic(1)
-    broker = KafkaConsumer(Settings(), kafka_settings(topic))
+    broker = KafkaConsumer(transport_settings(), kafka_settings(topic))
     assert membership.generation(None) == -1 and not membership.coordinator_known(None)
     await broker.start(prefetch=1)
     try:

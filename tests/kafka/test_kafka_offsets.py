@@ -23,6 +23,7 @@ from tests.kafka.kafka_helpers import (
     produce,
     receive,
     topic_records,
+    transport_settings,
     worker_env,
 )
 from tests.support.processes import arun_cli
@@ -30,7 +31,6 @@ from tests.support.waiting import wait_for
 from worker.brokers.kafka import KafkaConsumer, KafkaSettings
 from worker.delivery import ack_many
 from worker.errors import BrokerUnavailable, ConfigurationError, SettlementLost
-from worker.settings import Settings
 
 pytestmark = pytest.mark.kafka
 
@@ -138,7 +138,7 @@ async def test_revoke_commits_what_settled_in_time_and_loses_the_rest(
         one, two = await receive(first), await receive(first)
         slow, late = sorted([one, two], key=lambda d: d.message_id or "")  # p0-0, p1-0
 
-        second = KafkaConsumer(Settings(), kafka)
+        second = KafkaConsumer(transport_settings(), kafka)
         joining = asyncio.create_task(second.start(prefetch=4))  # returns once it has joined
         try:
             # the join revokes both partitions from `first`, which stops handing out
@@ -214,7 +214,7 @@ async def test_ack_many_settles_each_record_and_returns_only_the_lost_ones(
     topic = await new_topic(1)
     await produce(bootstrap, topic, [(None, b"{}", {"message-id": f"m{n}"}, 0) for n in range(3)])
     kafka = kafka_settings(topic, commit_interval=0.05)
-    broker = KafkaConsumer(Settings(batch_size=3), kafka)
+    broker = KafkaConsumer(transport_settings(batch_size=3), kafka)
     await broker.start(prefetch=3)
     try:
         batch = [await receive(broker) for _ in range(3)]  # the whole batch out at once
@@ -234,7 +234,7 @@ async def test_an_unreachable_broker_is_broker_unavailable(
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
     kafka = kafka_settings("t", bootstrap_servers=f"127.0.0.1:{port}")
-    broker = KafkaConsumer(Settings(), kafka)
+    broker = KafkaConsumer(transport_settings(), kafka)
     with pytest.raises(BrokerUnavailable) as caught:  # the start-up retry tries again
         await broker.start(prefetch=1)
     where, _, reason = str(caught.value).partition(f"127.0.0.1:{port}: ")
@@ -305,7 +305,7 @@ async def test_a_broker_refusing_the_idempotent_producer_names_the_setting(
 ) -> None:
     """Issue 14 item 5. Test-broker quirk put to use: Tansu refuses InitProducerId."""
     kafka = kafka_settings("t", idempotent_producer=True)
-    broker = KafkaConsumer(Settings(), kafka)
+    broker = KafkaConsumer(transport_settings(), kafka)
     with pytest.raises(ConfigurationError, match="WORKER_KAFKA_IDEMPOTENT_PRODUCER=false"):
         await broker.start(prefetch=1)
     assert not broker.ready

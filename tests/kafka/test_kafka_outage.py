@@ -9,11 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.kafka.kafka_helpers import create_topic, produce, settings_for
+from tests.kafka.kafka_helpers import create_topic, produce, settings_for, transport_settings
 from tests.support.tansu import Tansu, running_tansu
 from tests.support.waiting import wait_for
 from worker.brokers.kafka import KafkaConsumer
-from worker.settings import Settings
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -28,7 +27,7 @@ def own_tansu() -> Iterator[Tansu]:
 async def test_broker_loss_drops_readiness_and_consumption_resumes(own_tansu: Tansu) -> None:
     bootstrap = own_tansu.bootstrap
     await create_topic(bootstrap, "outage", 1)
-    broker = KafkaConsumer(Settings(), settings_for(bootstrap, "outage"))
+    broker = KafkaConsumer(transport_settings(), settings_for(bootstrap, "outage"))
     await broker.start(prefetch=4)
     try:
         await wait_for(lambda: broker.ready, 15, "ready")
@@ -60,7 +59,7 @@ async def test_close_with_the_broker_gone_is_bounded(own_tansu: Tansu) -> None:
     await create_topic(bootstrap, "gone", 1)
     await produce(bootstrap, "gone", [(None, b"{}", {"message-id": "a"}, 0)])
     kafka = settings_for(bootstrap, "gone", commit_interval=60, commit_timeout=1.0)
-    broker = KafkaConsumer(Settings(), kafka)
+    broker = KafkaConsumer(transport_settings(), kafka)
     await broker.start(prefetch=1)
     delivery = await asyncio.wait_for(broker.receive(), 10)
     await delivery.ack()  # settled, not yet committed: close() will try

@@ -193,6 +193,7 @@ async def test_workers_joining_and_leaving_mid_stream(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)  # three processes, two rebalances and a kill, on a 2-core machine
 async def test_acceptance_three_workers_5000_credits_a_kill_and_a_stop(
     new_topic: Callable[[int], Awaitable[str]],
     kafka_settings: Callable[..., KafkaSettings],

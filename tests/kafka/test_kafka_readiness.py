@@ -6,9 +6,9 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
+from tests.kafka.kafka_helpers import transport_settings
 from tests.support.waiting import wait_for
 from worker.brokers.kafka import KafkaConsumer, KafkaSettings
-from worker.settings import Settings
 
 pytestmark = pytest.mark.kafka
 
@@ -20,7 +20,7 @@ async def test_an_idle_group_member_is_ready(
     none to own) and left a pod unready for good on a topic with fewer partitions than
     replicas. A healthy member that owns nothing is ready; it idles."""
     topic = await new_topic(1)
-    members = [KafkaConsumer(Settings(), kafka_settings(topic)) for _ in range(2)]
+    members = [KafkaConsumer(transport_settings(), kafka_settings(topic)) for _ in range(2)]
     try:
         for member in members:
             await member.start(prefetch=1)

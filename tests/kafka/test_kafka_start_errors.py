@@ -10,11 +10,10 @@ from typing import Any
 import pytest
 from aiokafka.errors import KafkaConnectionError, UnknownError  # type: ignore[import-untyped]
 
-from tests.kafka.kafka_helpers import authenticating_tansu
+from tests.kafka.kafka_helpers import authenticating_tansu, transport_settings
 from worker.brokers.kafka import KafkaConsumer, KafkaSettings, start_producer
 from worker.brokers.kafka.settings import describe
 from worker.errors import BrokerUnavailable, ConfigurationError
-from worker.settings import Settings
 
 pytestmark = pytest.mark.kafka
 
@@ -44,7 +43,7 @@ async def test_a_refused_login_is_a_configuration_error_naming_the_settings(
     """SCRAM against a broker that knows no such user: aiokafka lets the failed exchange
     escape as a bare KeyError ('v'), which no retry fixes."""
     kafka = login(kafka_settings, guarded, "SCRAM-SHA-256")
-    broker = KafkaConsumer(Settings(), kafka)
+    broker = KafkaConsumer(transport_settings(), kafka)
     with pytest.raises(ConfigurationError) as caught:
         await broker.start(prefetch=1)
     message = str(caught.value)
@@ -63,7 +62,7 @@ async def test_a_connection_the_broker_drops_during_the_login_is_broker_unavaila
     """Tansu closes a PLAIN login without a word, as a reset would: nothing tells the two
     apart (the second connection, which asks for the real cause, is dropped too), so it
     is BrokerUnavailable, with aiokafka's reason."""
-    broker = KafkaConsumer(Settings(), login(kafka_settings, guarded, "PLAIN"))
+    broker = KafkaConsumer(transport_settings(), login(kafka_settings, guarded, "PLAIN"))
     with pytest.raises(BrokerUnavailable) as caught:
         await broker.start(prefetch=1)
     assert str(caught.value).startswith(f"kafka at {guarded}: KafkaConnectionError: ")
