@@ -87,9 +87,11 @@ async def test_a_killer_is_dead_lettered_alone_after_max_deliveries_deaths(
     print(f"\nkiller ({batch_size=}, {killers=}): {report}")
     assert dead == sorted(killers), report  # 0 valid messages dead-lettered
     assert await balances(pg) == {f"acct-{n}": Decimal(VALID // 10) for n in range(10)}
-    # each killer started exactly WORKER_MAX_DELIVERIES times, each start a death (two
-    # killers running at the same moment would share one)
-    assert deaths == dict.fromkeys(killers, MAX_DELIVERIES), report
+    if batch_size == 1 or len(killers) == 1:  # each killer: exactly WORKER_MAX_DELIVERIES
+        assert deaths == dict.fromkeys(killers, MAX_DELIVERIES), report
+    else:  # a batch is one unit of work: a killer in the batch another killer took down
+        # spent that count as its bystander, and goes one death earlier
+        assert all(MAX_DELIVERIES - 1 <= deaths[k] <= MAX_DELIVERIES for k in killers), report
     assert restarts <= sum(deaths.values()), report
     if len(killers) == 1:
         assert restarts == MAX_DELIVERIES, report
