@@ -9,9 +9,11 @@ no other writer in), so there the checker names it from the statement instead.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from tests.testing import wrong_handlers as wrong
 from tests.testing.apis import RecordingAPI
@@ -74,6 +76,24 @@ async def test_a_write_through_a_second_engine_is_named(kit_database: Scratch) -
     assert "INSERT INTO wrong_audit" in text and "through another engine" in text
 
 
+@pytest.mark.usefixtures("audit_engines")
+async def test_a_write_to_a_database_the_check_does_not_read_is_named(
+    kit_sqlite: Scratch, tmp_path: Path
+) -> None:
+    """No compared table shows the audit rows in a database of their own: the statement
+    through another engine is named all the same."""
+    audit = f"sqlite+aiosqlite:///{tmp_path / 'audit.db'}"
+    engine = create_async_engine(audit)
+    async with engine.begin() as connection:
+        await connection.run_sync(wrong.Base.metadata.create_all)
+    await engine.dispose()
+    wrong.AUDIT_DATABASE["url"] = audit
+    report = await check(wrong.ESCAPING_ELSEWHERE, CREDITS, kit_sqlite)
+    text = named(report, ESCAPED, "once")
+    assert "no compared table shows it" in text and "audit.db" in text
+    assert [o.passed for o in report.outcomes[1:]] == [True] * 5  # every scenario agreed
+
+
 @pytest.mark.timeout(300)
 async def test_the_same_writes_through_the_session_pass(kit_database: Scratch) -> None:
     report = await check(wrong.ESCAPING_FIXED, CREDITS, kit_database)
@@ -99,6 +119,14 @@ async def test_the_same_write_with_a_version_token_passes(kit_database: Scratch)
     writer = next(o for o in report.outcomes if o.scenario == "writer")
     if isinstance(kit_database, PostgresScratch):
         assert writer.note == "2 writers raced"  # the race ran, and the token won it
+
+
+@pytest.mark.timeout(300)
+async def test_the_same_write_under_a_row_lock_passes(kit_database: Scratch) -> None:
+    """with_for_update(): on PostgreSQL the writer waits for the handler's commit; SQLite
+    leaves FOR UPDATE out of its SQL, and the checker still sees that the read locked."""
+    report = await check(wrong.RACY_LOCKED, RESERVATIONS, kit_database, given=STOCK)
+    assert report.ok, str(report)
 
 
 async def test_an_http_call_outside_a_claim_is_named(

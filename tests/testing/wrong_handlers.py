@@ -24,7 +24,7 @@ from decimal import Decimal
 
 import httpx
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import Integer, MetaData, Numeric, String, insert
+from sqlalchemy import Integer, MetaData, Numeric, String, insert, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -162,6 +162,23 @@ async def audited_credit(ctx: Context, message: Credit) -> None:
         await connection.execute(insert(AuditEntry).values(_audit_row(ctx, message)))
 
 
+AUDIT_DATABASE = {"url": ""}
+"""Where ESCAPING_ELSEWHERE keeps its audit log: a database of its own, the test's."""
+
+ESCAPING_ELSEWHERE = Registry()
+
+
+@ESCAPING_ELSEWHERE.handler("WalletCredited", Credit, consumer="audited-credit")
+async def audited_credit_elsewhere(ctx: Context, message: Credit) -> None:
+    await _credit(ctx, message)
+    # WRONG as well: in a database of its own, it commits on its own too
+    url = AUDIT_DATABASE["url"]
+    if url not in _audit_engines:
+        _audit_engines[url] = create_async_engine(url)
+    async with _audit_engines[url].begin() as connection:
+        await connection.execute(insert(AuditEntry).values(_audit_row(ctx, message)))
+
+
 ESCAPING_FIXED = Registry()
 
 
@@ -188,6 +205,17 @@ RACY_FIXED = Registry()
 @RACY_FIXED.handler("StockReserved", Reservation, consumer="reserve-stock")
 async def reserve_fixed(ctx: Context, message: Reservation) -> None:
     item = await ctx.session.get_one(GuardedStock, message.sku)
+    item.available -= message.quantity
+
+
+RACY_LOCKED = Registry()
+
+
+@RACY_LOCKED.handler("StockReserved", Reservation, consumer="reserve-stock")
+async def reserve_locked(ctx: Context, message: Reservation) -> None:
+    """The other fix: no token, but the row is locked from the read to the commit."""
+    query = select(Stock).where(Stock.sku == message.sku).with_for_update()
+    item = (await ctx.session.scalars(query)).one()
     item.available -= message.quantity
 
 

@@ -230,19 +230,17 @@ async def check_idempotent(
     started = time.perf_counter()
     where = "SQLite" if database is None else _describe(database)
     report = Report(len(messages), where)
+    setup = _Setup(
+        handlers if handlers is not None else registry,
+        given,
+        tuple(models),
+        effects,
+        dict(settings),
+        settle_within,
+        writer_wait,
+    )
     async with scratch_for(database) as scratch:
-        checker = _Checker(
-            messages,
-            handlers if handlers is not None else registry,
-            scratch,
-            given,
-            models,
-            effects,
-            settings,
-            settle_within,
-            writer_wait,
-        )
-        await checker.check(chosen, report, tables)
+        await _Checker(messages, scratch, setup).check(chosen, report, tables)
     report.seconds = time.perf_counter() - started
     return report
 
@@ -272,28 +270,26 @@ def _messages(samples: Sequence[Sample | Mapping[str, Any]]) -> list[_Message]:
     return found
 
 
+@dataclass(frozen=True, slots=True)
+class _Setup:
+    """What every run of one check shares (check_idempotent's options)."""
+
+    handlers: Registry
+    given: Given
+    models: tuple[MetaData, ...]
+    effects: Effects | None
+    settings: Mapping[str, Any]
+    settle_within: float
+    writer_wait: float
+
+
 class _Checker:
-    def __init__(
-        self,
-        messages: list[_Message],
-        handlers: Registry,
-        scratch: Scratch,
-        given: Given,
-        models: Sequence[MetaData],
-        effects: Effects | None,
-        settings: Mapping[str, Any],
-        settle_within: float,
-        writer_wait: float,
-    ) -> None:
+    def __init__(self, messages: list[_Message], scratch: Scratch, setup: _Setup) -> None:
         self.messages = messages
-        self.handlers = handlers
         self.scratch = scratch
-        self.given = given
-        self.models = tuple(models)
-        self.effects = effects
-        self.settings = dict(settings)
-        self.settle_within = settle_within
-        self.writer_wait = writer_wait
+        self.setup = setup
+        self.handlers = setup.handlers
+        self.effects = setup.effects
         self.specs: list[TableSpec] = []
         self.volatile: dict[str, frozenset[str]] = {}
         self.runs = 0
@@ -342,17 +338,17 @@ class _Checker:
         tables: Sequence[str] | None = None,
     ) -> _Run:
         self.runs += 1
-        url = await self.scratch.fresh(self.models)
-        await seeded(url, self.given, self.models)
-        writer = ConcurrentWriter(url, self.writer_wait, self.settle_within) if race else None
-        plan = Plan(crash=crash, writer=writer)
+        setup = self.setup
+        url = await self.scratch.fresh(setup.models)
+        await seeded(url, setup.given, setup.models)
+        writer = ConcurrentWriter(url, setup.writer_wait, setup.settle_within) if race else None
         worker = Harness(
-            self.handlers,
+            setup.handlers,
             url,
-            harness_settings(url, self.settings),
-            plan=plan,
-            settle_within=self.settle_within,
-            models=self.models,
+            harness_settings(url, {**setup.settings, "batch_size": 1}),  # one delivery a stage
+            plan=Plan(crash=crash, writer=writer),
+            settle_within=setup.settle_within,
+            models=setup.models,
         )
         outcome = _Run(what)
         await worker.start()
@@ -377,9 +373,9 @@ class _Checker:
         try:
             if not self.specs:
                 written = {t for trace in outcome.traces for t in trace.written}
-                names = list(tables) if tables else business_tables(self.models, written)
+                names = list(tables) if tables else business_tables(setup.models, written)
                 claimers = [h.consumer for h in self.handlers if h.runs is Runs.CLAIM]
-                self.specs = await table_specs(engine, names, self.models)
+                self.specs = await table_specs(engine, names, setup.models)
                 self.specs += worker_specs(claimers)
             outcome.snapshot = await snapshot(engine, self.specs)
         finally:

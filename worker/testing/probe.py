@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Column, Delete, Update, event
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy import Column, Delete, Select, Update, event
+from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.sql import visitors
 
@@ -76,6 +76,8 @@ _WRITE_TARGET = re.compile(
 )
 _SET_CLAUSE = re.compile(r"\bSET\s+(.*?)(?:\bWHERE\b|\bRETURNING\b|$)", re.IGNORECASE | re.DOTALL)
 # a bound value, with asyncpg's cast if any: ?, $1, $1::NUMERIC(18, 2), %(name)s, :name
+_POSTGRESQL = make_url("postgresql+asyncpg://").get_dialect()()
+_LOCKING = re.compile(r"\bFOR\s+(?:NO\s+KEY\s+)?(?:UPDATE|SHARE)\b", re.IGNORECASE)
 _PLACEHOLDER = re.compile(r"^\s*(?:\?|\$\d+(?:::[\w ]+(?:\([\d, ]*\))?)?|%\(\w+\)s|:\w+)\s*$")
 
 
@@ -135,6 +137,17 @@ def guarded(context: Any) -> bool | None:
         if isinstance(element, Column) and element.table is table
     }
     return bool(compared - keys)
+
+
+def locks_rows(sql: str, context: Any) -> bool:
+    """Whether a read locks what it reads (``with_for_update()``). SQLite leaves the lock
+    out of its SQL, so the statement is asked how PostgreSQL would run it."""
+    if _LOCKING.search(sql):
+        return True
+    statement = getattr(getattr(context, "compiled", None), "statement", None)
+    if not isinstance(statement, Select):
+        return False
+    return bool(_LOCKING.search(str(statement.compile(dialect=_POSTGRESQL))))
 
 
 def sets_plain_values(sql: str) -> bool:
@@ -256,7 +269,16 @@ class Probe:
 class _StageRun:
     """The probe's state inside one stage: the statements so far, what was read."""
 
-    __slots__ = ("_crash_at", "_probe", "_read", "_started_write", "handler", "item", "trace")
+    __slots__ = (
+        "_crash_at",
+        "_locked",
+        "_probe",
+        "_read",
+        "_started_write",
+        "handler",
+        "item",
+        "trace",
+    )
 
     def __init__(self, probe: Probe, stage: Stage) -> None:
         self._probe = probe
@@ -276,6 +298,7 @@ class _StageRun:
         ):
             self._crash_at = crash.at
         self._read: set[str] = set()
+        self._locked: set[str] = set()  # read with FOR UPDATE / FOR SHARE
         self._started_write = False
 
     def boundary(self, what: str) -> None:
@@ -297,7 +320,10 @@ class _StageRun:
         self.boundary(shorten(sql))
         if not write:
             if verb_of(sql) in ("SELECT", "WITH"):
-                self._read |= read_tables(sql) - WORKER_TABLES
+                tables = read_tables(sql) - WORKER_TABLES
+                self._read |= tables
+                if locks_rows(sql, context):
+                    self._locked |= tables
             return
         if table is not None and table not in WORKER_TABLES:
             self.trace.written.add(table)
@@ -337,7 +363,8 @@ class _StageRun:
         trace = self.trace
         if self.handler.runs is not Runs.TRANSACTION:
             return
-        if guarded(context) is False and sets_plain_values(sql):
+        table = written_table(sql)
+        if guarded(context) is False and sets_plain_values(sql) and table not in self._locked:
             trace.unguarded.append(shorten(sql))
         writer = self._probe.plan.writer
         if writer is None or not trace.first or trace.writer is not None:
@@ -402,8 +429,6 @@ def _audit(name: str, args: tuple[Any, ...]) -> None:
 def _sqlite_file(url: str) -> Path | None:
     if not url.startswith("sqlite"):
         return None
-    from sqlalchemy.engine import make_url
-
     database = make_url(url).database
     if not database or database == ":memory:":
         return None
@@ -420,8 +445,6 @@ def _addresses(url: str) -> frozenset[tuple[str, int]]:
     """Where the database listens, by every address its host resolves to."""
     if url.startswith("sqlite"):
         return frozenset()
-    from sqlalchemy.engine import make_url
-
     parsed = make_url(url)
     host, port = parsed.host or "localhost", parsed.port or 5432
     found = {(host, port)}
