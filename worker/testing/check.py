@@ -28,14 +28,14 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import MetaData
 
 from worker.db import create_engine, redact
 from worker.registry import Registry, Runs, registry
 from worker.testing.harness import Body, Given, Harness, encode, harness_settings, seeded
-from worker.testing.probe import ConcurrentWriter, Crash, Plan, Trace, WriterOutcome
+from worker.testing.probe import ConcurrentWriter, Crash, Escape, Plan, Trace, WriterOutcome
 from worker.testing.scratch import Scratch, scratch_for
 from worker.testing.tables import (
     Snapshot,
@@ -50,9 +50,6 @@ from worker.testing.tables import (
     volatile,
     worker_specs,
 )
-
-if TYPE_CHECKING:
-    pass
 
 # -- the causes a finding names ------------------------------------------------------------
 
@@ -543,9 +540,7 @@ class _Checker:
         types = {m.type for m in self.messages}
         handlers = [h for t in types for h in self.handlers.for_type(t)]
         if effects:
-            if any(h.runs is Runs.TRANSACTION for h in handlers) and not all(
-                h.runs is Runs.CLAIM for h in handlers
-            ):
+            if any(h.runs is Runs.TRANSACTION for h in handlers):
                 where = next((w for t in run.traces for w in t.network), "an outside service")
                 return OUTSIDE_CLAIM, (
                     f"a handler called {where} from inside its transaction, so a rollback, "
@@ -614,11 +609,11 @@ class _Checker:
         )
 
 
-def _first_escape(run: _Run) -> Any:
+def _first_escape(run: _Run) -> Escape | None:
     return next((e for trace in run.traces for e in trace.escaped), None)
 
 
-def _escaped_text(escape: Any) -> str:
+def _escaped_text(escape: Escape) -> str:
     return (
         f"{escape.sql} ran through another engine ({escape.engine}) while the handler's "
         "transaction was open: it commits on its own, so neither a rollback nor a "

@@ -39,7 +39,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.sql import visitors
 
 from worker.context import Context
-from worker.db import create_engine, discard, redact, session_factory
+from worker.db import create_engine, discard, session_factory
 from worker.registry import Runs
 
 try:  # SQLAlchemy 2.1 names it await_; 2.0 only await_only
@@ -75,9 +75,9 @@ _WRITE_TARGET = re.compile(
     re.IGNORECASE,
 )
 _SET_CLAUSE = re.compile(r"\bSET\s+(.*?)(?:\bWHERE\b|\bRETURNING\b|$)", re.IGNORECASE | re.DOTALL)
-# a bound value, with asyncpg's cast if any: ?, $1, $1::NUMERIC(18, 2), %(name)s, :name
 _POSTGRESQL = make_url("postgresql+asyncpg://").get_dialect()()
 _LOCKING = re.compile(r"\bFOR\s+(?:NO\s+KEY\s+)?(?:UPDATE|SHARE)\b", re.IGNORECASE)
+# a bound value, with asyncpg's cast if any: ?, $1, $1::NUMERIC(18, 2), %(name)s, :name
 _PLACEHOLDER = re.compile(r"^\s*(?:\?|\$\d+(?:::[\w ]+(?:\([\d, ]*\))?)?|%\(\w+\)s|:\w+)\s*$")
 
 
@@ -349,7 +349,7 @@ class _StageRun:
 
     def _escaped(self, connection: Connection, sql: str, table: str | None) -> None:
         url = connection.engine.url
-        self.trace.escaped.append(Escape(shorten(sql), redact(url.render_as_string(False))))
+        self.trace.escaped.append(Escape(shorten(sql), url.render_as_string(hide_password=True)))
         if table is not None:
             self.trace.written.add(table)
         same_file = self._probe.sqlite_file
