@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from worker.registry import Registry
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch per command
     parser = argparse.ArgumentParser(
         prog="worker",
         description="An idempotent message consumer, and the tools to operate it.",
@@ -94,6 +94,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     outbox = commands.add_parser("outbox", help="list pending and parked outbox rows")
     outbox.add_argument("--retry", action="store_true", help="re-queue the parked rows")
     outbox.add_argument("--limit", type=int, default=100, help="at most this many")
+    check = commands.add_parser(
+        "check", help="prove handlers idempotent on sample messages (docs/testing.md)"
+    )
+    check.add_argument("samples", help='JSON lines: {"type", "body"} messages, {"table", "row"}')
+    check.add_argument("--table", action="append", default=[], help="compare this table")
+    check.add_argument("--database", metavar="URL", help="PostgreSQL server for scratch databases")
+    check.add_argument("--scenario", action="append", default=[], help="run only this scenario")
     args = parser.parse_args(argv)
 
     try:
@@ -123,6 +130,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from worker.retention import purge_command
 
             return asyncio.run(purge_command(settings))
+        if args.command == "check":
+            from worker.testing.command import check_command
+
+            return asyncio.run(check_command(settings, args))
         if args.command in ("relay", "outbox"):
             from worker.outbox.commands import outbox_command, relay_command
 
