@@ -11,6 +11,7 @@ from worker.logs import scrub
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
 
+
 class Settler(Protocol):
     """How one broker settles a delivery; ``handle`` is the adapter's own object.
 
