@@ -23,17 +23,17 @@ from worker.brokers import (
 )
 from worker.brokers.rabbitmq.messages import (
     REASON_HEADER,
-    _copy,
-    _dead_lettered_at,
-    _header,
-    _int,
+    copy_message,
+    dead_lettered_at,
+    header_int,
+    header_text,
     message_type,
 )
 from worker.brokers.rabbitmq.settings import (
-    _LOST,
+    CONNECTION_LOST,
     RabbitMQSettings,
-    _connect_args,
-    _start_failure,
+    connect_args,
+    start_failure,
 )
 from worker.brokers.rabbitmq.topology import declare_topology
 from worker.errors import BrokerUnavailable, ConfigurationError
@@ -55,13 +55,13 @@ class RabbitMQAdmin:
         if self._channel is None:
             try:
                 self._connection = await aio_pika.connect(
-                    self.settings.url, **_connect_args(self.settings)
+                    self.settings.url, **connect_args(self.settings)
                 )
                 self._channel = await self._connection.channel(on_return_raises=True)
                 await declare_topology(self._channel, self.settings)
-            except _LOST as exc:
+            except CONNECTION_LOST as exc:
                 await self.close()
-                raise _start_failure(self.settings, exc) from None
+                raise start_failure(self.settings, exc) from None
         return self._channel
 
     async def publish(self, messages: list[OutgoingMessage]) -> int:
@@ -96,7 +96,7 @@ class RabbitMQAdmin:
             batch = messages[start : start + _PUBLISH_BATCH]
             try:
                 await asyncio.gather(*(send(m) for m in batch))
-            except _LOST as exc:  # the connection went away (a broker restart, say)
+            except CONNECTION_LOST as exc:  # the connection went away (a broker restart, say)
                 raise BrokerUnavailable(
                     f"publishing to {settings.exchange or settings.queue!r}: {scrub(str(exc))} "
                     f"({confirmed} confirmed before)"
@@ -144,12 +144,12 @@ class RabbitMQAdmin:
                     break
                 if match is not None and not match(self._describe(message)):
                     continue
-                resubmits = _int((message.headers or {}).get("x-worker-resubmitted")) + 1
-                copy = _copy(message, **{"x-worker-resubmitted": resubmits})
+                resubmits = header_int((message.headers or {}).get("x-worker-resubmitted")) + 1
+                copy = copy_message(message, **{"x-worker-resubmitted": resubmits})
                 try:
                     await channel.default_exchange.publish(copy, self.settings.queue)
                     await message.ack()
-                except _LOST as exc:
+                except CONNECTION_LOST as exc:
                     raise BrokerUnavailable(
                         f"re-submitting to {self.settings.queue!r}: {scrub(str(exc))} "
                         f"({moved} moved before)"
@@ -166,34 +166,35 @@ class RabbitMQAdmin:
         try:
             scan = await self._connection.channel(publisher_confirms=False)
             yield await scan.get_queue(self.settings.dead_letter_queue, ensure=False)
-        except _LOST as exc:
+        except CONNECTION_LOST as exc:
             raise BrokerUnavailable(
                 f"reading {self.settings.dead_letter_queue!r}: {scrub(str(exc))}"
             ) from None
         finally:
             if scan is not None:
-                with contextlib.suppress(*_LOST):
+                with contextlib.suppress(*CONNECTION_LOST):
                     await scan.close()  # unacked messages return to the queue
 
     def _describe(self, message: AbstractIncomingMessage) -> DeadLetterInfo:
         headers = dict(message.headers or {})
-        reason = _header(headers, REASON_HEADER)
+        reason = header_text(headers, REASON_HEADER)
         deaths = headers.get("x-death")
         first = deaths[0] if isinstance(deaths, list) and deaths else None
         first = first if isinstance(first, dict) else {}
         if reason is None:  # dead-lettered by the broker itself (a policy, a TTL)
-            reason = f"broker: {_header(first, 'reason') or 'unknown'} in {_header(first, 'queue')}"
+            why, queue = header_text(first, "reason"), header_text(first, "queue")
+            reason = f"broker: {why or 'unknown'} in {queue}"
         return DeadLetterInfo(
             self.identity(message),
             message_type(message),
             reason,
             message.body,
             headers,
-            _dead_lettered_at(headers, first) or message.timestamp,
+            dead_lettered_at(headers, first) or message.timestamp,
         )
 
     async def close(self) -> None:
         if self._connection is not None:
-            with contextlib.suppress(*_LOST):
+            with contextlib.suppress(*CONNECTION_LOST):
                 await self._connection.close()
         self._connection = self._channel = None

@@ -43,16 +43,16 @@ from worker.brokers import IdentityFunc
 from worker.brokers.rabbitmq.messages import (
     DELIVERIES_HEADER,
     REASON_HEADER,
-    _copy,
+    copy_message,
     delivery_count,
     message_type,
     returned,
 )
 from worker.brokers.rabbitmq.settings import (
-    _LOST,
+    CONNECTION_LOST,
     RabbitMQSettings,
-    _connect_args,
-    _start_failure,
+    connect_args,
+    start_failure,
 )
 from worker.brokers.rabbitmq.topology import declare_topology, drain_legacy_queues
 from worker.db import redact
@@ -137,7 +137,7 @@ class RabbitMQConsumer:
             self._connection = connection = await aio_pika.connect_robust(
                 settings.url,
                 reconnect_interval=settings.reconnect_interval,
-                **_connect_args(settings),
+                **connect_args(settings),
             )
             self._channel = channel = await connection.channel()
             self._publisher = await connection.channel(
@@ -156,9 +156,9 @@ class RabbitMQConsumer:
             # before basic.consume: the first deliveries may arrive before it returns
             self._connected = self._consuming = True
             self._consumer_tag = await self._queue.consume(self._on_message, no_ack=False)
-        except _LOST as exc:
+        except CONNECTION_LOST as exc:
             await self.close()
-            raise _start_failure(settings, exc) from None
+            raise start_failure(settings, exc) from None
         self._log.info(
             "rabbitmq consuming",
             url=redact(settings.url),
@@ -179,7 +179,7 @@ class RabbitMQConsumer:
         """Cancel the consumer; deliveries not yet taken go straight back to the queue."""
         self._consuming = False
         if self._queue is not None and self._consumer_tag is not None:
-            with contextlib.suppress(*_LOST):
+            with contextlib.suppress(*CONNECTION_LOST):
                 async with asyncio.timeout(self.settings.settle_timeout):
                     await self._queue.cancel(self._consumer_tag)
             self._consumer_tag = None
@@ -193,7 +193,7 @@ class RabbitMQConsumer:
         self._consuming = False
         self._connected = False
         if self._connection is not None:
-            with contextlib.suppress(*_LOST):
+            with contextlib.suppress(*CONNECTION_LOST):
                 await self._connection.close()
             self._connection = None
 
@@ -266,7 +266,7 @@ class RabbitMQConsumer:
         try:
             async with asyncio.timeout(self.settings.settle_timeout):
                 yield
-        except _LOST as exc:
+        except CONNECTION_LOST as exc:
             self.stats[_LOST_EVENTS[verb]] += deliveries
             requeued = give_back and await self._give_back(handle)
             note = "; the original was requeued" if requeued else ""
@@ -279,7 +279,7 @@ class RabbitMQConsumer:
         try:
             async with asyncio.timeout(self.settings.settle_timeout):
                 await handle.message.nack(requeue=True)
-        except _LOST:
+        except CONNECTION_LOST:
             return False  # the channel is gone after all, and so is the delivery
         self._settled(handle)
         self.stats["requeued_after_failed_copy"] += 1
@@ -345,12 +345,12 @@ class RabbitMQConsumer:
         level = self.settings.retry_delay(handle.count, delay)
         target = self.settings.queue if level is None else self.settings.retry_queue(level)
         carried = handle.count if counted else handle.count - 1
-        copy = _copy(handle.message, **{DELIVERIES_HEADER: carried})
+        copy = copy_message(handle.message, **{DELIVERIES_HEADER: carried})
         await self._copy_then_ack(handle, "nack", copy, "", target)
         self.stats["nacks_immediate" if level is None else "nacks_delayed"] += 1
 
     async def dead_letter(self, handle: _Handle, reason: str) -> None:
-        copy = _copy(
+        copy = copy_message(
             handle.message,
             **{
                 REASON_HEADER: reason[:_MAX_REASON],

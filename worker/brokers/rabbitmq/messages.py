@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 DELIVERIES_HEADER = "x-worker-deliveries"
 REASON_HEADER = "x-worker-reason"
-_WORKER_HEADERS = (DELIVERIES_HEADER, REASON_HEADER, "x-worker-queue", "x-worker-dead-lettered-at")
+WORKER_HEADERS = (DELIVERIES_HEADER, REASON_HEADER, "x-worker-queue", "x-worker-dead-lettered-at")
 _BROKER_HEADERS = (
     "x-delivery-count",
     "x-death",
@@ -37,7 +37,7 @@ _BROKER_HEADERS = (
 _CE_PREFIXES = ("ce-", "ce_", "cloudEvents:", "cloudEvents_")
 
 
-def _header(headers: Mapping[str, Any], name: str) -> str | None:
+def header_text(headers: Mapping[str, Any], name: str) -> str | None:
     value = headers.get(name)
     if isinstance(value, bytes):
         value = value.decode("utf-8", "replace")
@@ -46,7 +46,7 @@ def _header(headers: Mapping[str, Any], name: str) -> str | None:
 
 def _cloud_event(headers: Mapping[str, Any], attribute: str) -> str | None:
     for prefix in _CE_PREFIXES:
-        value = _header(headers, prefix + attribute)
+        value = header_text(headers, prefix + attribute)
         if value is not None:
             return value
     return None
@@ -95,9 +95,9 @@ def delivery_count(message: AbstractIncomingMessage) -> int:
     shovel or the management UI starts afresh, as ``worker dlq --resubmit`` does.
     """
     headers = message.headers or {}
-    before = 0 if REASON_HEADER in headers else _int(headers.get(DELIVERIES_HEADER))
+    before = 0 if REASON_HEADER in headers else header_int(headers.get(DELIVERIES_HEADER))
     returned = headers.get("x-delivery-count")  # quorum queues only
-    inside = _int(returned) if returned is not None else int(bool(message.redelivered))
+    inside = header_int(returned) if returned is not None else int(bool(message.redelivered))
     return before + inside + 1
 
 
@@ -105,19 +105,19 @@ def returned(message: AbstractIncomingMessage) -> bool:
     """RabbitMQ took the message back from a consumer that never settled it (a process
     that died, a lost connection): the worker's own give-backs are fresh copies."""
     headers = message.headers or {}
-    return bool(message.redelivered) or _int(headers.get("x-delivery-count")) > 0
+    return bool(message.redelivered) or header_int(headers.get("x-delivery-count")) > 0
 
 
-def _int(value: Any) -> int:
+def header_int(value: Any) -> int:
     try:
         return max(int(value), 0)
     except (TypeError, ValueError):
         return 0
 
 
-def _dead_lettered_at(headers: Mapping[str, Any], death: Mapping[str, Any]) -> datetime | None:
+def dead_lettered_at(headers: Mapping[str, Any], death: Mapping[str, Any]) -> datetime | None:
     """When the worker (``x-worker-dead-lettered-at``) or the broker (``x-death``) dead-lettered."""
-    stamp = _header(headers, "x-worker-dead-lettered-at")
+    stamp = header_text(headers, "x-worker-dead-lettered-at")
     if stamp is not None:
         with contextlib.suppress(ValueError):
             return datetime.fromisoformat(stamp)
@@ -125,12 +125,12 @@ def _dead_lettered_at(headers: Mapping[str, Any], death: Mapping[str, Any]) -> d
     return at if isinstance(at, datetime) else None
 
 
-def _copy(message: AbstractIncomingMessage, **extra: Any) -> aio_pika.Message:
+def copy_message(message: AbstractIncomingMessage, **extra: Any) -> aio_pika.Message:
     """A persistent copy without the broker's bookkeeping headers (or ours, unless given)."""
     headers = {
         k: v
         for k, v in (message.headers or {}).items()
-        if k not in _BROKER_HEADERS and k not in _WORKER_HEADERS
+        if k not in _BROKER_HEADERS and k not in WORKER_HEADERS
     }
     headers.update(extra)
     return aio_pika.Message(

@@ -15,7 +15,7 @@ import aio_pika
 from aiormq.exceptions import AMQPError, ChannelNotFoundEntity, DeliveryError
 
 from worker.brokers.outgoing import Outgoing
-from worker.brokers.rabbitmq.settings import RabbitMQSettings, _connect_args, _start_failure
+from worker.brokers.rabbitmq.settings import RabbitMQSettings, connect_args, start_failure
 from worker.errors import BrokerUnavailable
 from worker.logs import scrub
 
@@ -43,11 +43,11 @@ class RabbitMQPublisher:
                 self._connection = await aio_pika.connect_robust(
                     self.settings.url,
                     reconnect_interval=self.settings.reconnect_interval,
-                    **_connect_args(self.settings),
+                    **connect_args(self.settings),
                 )
             except Exception as exc:
                 self._connection = None
-                raise _start_failure(self.settings, exc) from None
+                raise start_failure(self.settings, exc) from None
         if self._channel is None or self._channel.is_closed:
             try:
                 async with asyncio.timeout(self.timeout):

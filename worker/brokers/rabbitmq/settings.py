@@ -24,7 +24,7 @@ _DEFAULT_RETRY_DELAYS = (1.0, 5.0, 30.0, 120.0)
 # What aio-pika/aiormq raise when a settlement can no longer reach the broker
 # (channel closed, connection lost, confirm refused); ChannelInvalidStateError
 # is a RuntimeError, socket errors are OSErrors.
-_LOST = (AMQPError, OSError, RuntimeError, TimeoutError)
+CONNECTION_LOST = (AMQPError, OSError, RuntimeError, TimeoutError)
 
 
 class RabbitMQSettings(BaseSettings):
@@ -127,7 +127,7 @@ def ssl_context(settings: RabbitMQSettings) -> ssl.SSLContext | None:
     return context
 
 
-def _connect_args(settings: RabbitMQSettings) -> dict[str, Any]:
+def connect_args(settings: RabbitMQSettings) -> dict[str, Any]:
     return {
         "ssl_context": ssl_context(settings),
         "timeout": settings.connect_timeout,
@@ -135,7 +135,7 @@ def _connect_args(settings: RabbitMQSettings) -> dict[str, Any]:
     }
 
 
-def _start_failure(settings: RabbitMQSettings, exc: BaseException) -> WorkerError:
+def start_failure(settings: RabbitMQSettings, exc: BaseException) -> WorkerError:
     if isinstance(exc, ChannelPreconditionFailed):  # a queue exists with other arguments
         return ConfigurationError(
             f"WORKER_RABBITMQ_QUEUE={settings.queue!r}: {exc}; the existing queues were declared "

@@ -20,8 +20,8 @@ import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage, AbstractQueue
 from aiormq.exceptions import ChannelNotFoundEntity
 
-from worker.brokers.rabbitmq.messages import _WORKER_HEADERS, _copy
-from worker.brokers.rabbitmq.settings import _LOST
+from worker.brokers.rabbitmq.messages import WORKER_HEADERS, copy_message
+from worker.brokers.rabbitmq.settings import CONNECTION_LOST
 
 if TYPE_CHECKING:
     from worker.brokers.rabbitmq.settings import RabbitMQSettings
@@ -103,15 +103,15 @@ async def drain_legacy_queues(connection: AbstractConnection, settings: RabbitMQ
                     break
                 await asyncio.sleep(0.2)
         finally:
-            with contextlib.suppress(*_LOST):
+            with contextlib.suppress(*CONNECTION_LOST):
                 await channel.close()
     return moved
 
 
 def _moved(message: AbstractIncomingMessage) -> aio_pika.Message:
     """A copy that keeps the worker's headers (its count, its dead-letter reason)."""
-    ours = {k: v for k, v in (message.headers or {}).items() if k in _WORKER_HEADERS}
-    return _copy(message, **ours)
+    ours = {k: v for k, v in (message.headers or {}).items() if k in WORKER_HEADERS}
+    return copy_message(message, **ours)
 
 
 async def delete_topology(channel: AbstractChannel, settings: RabbitMQSettings) -> None:
