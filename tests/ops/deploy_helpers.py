@@ -342,9 +342,9 @@ def connections_per_pod(env: dict[str, str], broker: str) -> dict[str, int]:
       the claim sweep of ``worker run`` share it (worker/outbox.py ``start``);
     - ``inbox-monitor``: worker/metrics.py ``InboxMonitor``, started with the ops
       endpoint (``WORKER_OPS_PORT``): ``pool_size=1``, one query at a time, so one;
-    - ``kafka-offsets``: worker/brokers/kafka/consumer.py, with
-      ``WORKER_KAFKA_OFFSETS=database`` or ``WORKER_DELIVERY_COUNTS=database``:
-      ``pool_size=2, max_overflow=2``.
+    - ``kafka-offsets``: worker/brokers/kafka/store.py, unless both
+      ``WORKER_KAFKA_OFFSETS`` and ``WORKER_DELIVERY_COUNTS`` are ``broker`` (the counts
+      default to ``database``): ``pool_size=2, max_overflow=2``.
 
     The init container's single connection (the migration gate) ends before these open.
     """
@@ -358,9 +358,9 @@ def connections_per_pod(env: dict[str, str], broker: str) -> dict[str, int]:
     }
     if env.get("WORKER_OPS_PORT"):
         engines["inbox-monitor"] = 1
-    database_offsets = "database" in (
-        env.get("WORKER_KAFKA_OFFSETS"),
-        env.get("WORKER_DELIVERY_COUNTS"),
+    database_offsets = (
+        env.get("WORKER_KAFKA_OFFSETS") == "database"  # default: broker
+        or env.get("WORKER_DELIVERY_COUNTS", defaults.delivery_counts) == "database"
     )
     if broker == "kafka" and database_offsets:
         engines["kafka-offsets"] = 2 + 2

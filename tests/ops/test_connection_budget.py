@@ -42,6 +42,8 @@ class Recorder:
 def recorder(monkeypatch: pytest.MonkeyPatch) -> Recorder:
     recorded = Recorder()
     monkeypatch.setattr(db, "create_engine", recorded)
+    # the Kafka store binds the name when it is first imported (perhaps by an earlier test)
+    monkeypatch.setattr("worker.brokers.kafka.store.create_engine", recorded)
     for name in [n for n in os.environ if n.startswith("WORKER_")]:
         monkeypatch.delenv(name)
     return recorded
@@ -52,9 +54,15 @@ def test_the_pump_engine_is_pool_plus_overflow(recorder: Recorder) -> None:
 
     env = {"WORKER_CONCURRENCY": "8", "WORKER_DB_POOL_SIZE": "10", "WORKER_DB_MAX_OVERFLOW": "1"}
     settings = Settings(
-        database_url=NOWHERE, concurrency=8, db_pool_size=10, db_max_overflow=1, handlers="handlers"
+        database_url=NOWHERE,
+        concurrency=8,
+        db_pool_size=10,
+        db_max_overflow=1,
+        handlers="handlers",
+        start_timeout=0,  # no retries of the start: it fails at once
     )
-    assert asyncio.run(_run(settings)) == 1  # the database does not answer: exit 1
+    with pytest.raises(OSError):  # the database does not answer (`worker run` exits 1)
+        asyncio.run(_run(settings))
     assert recorder.engines == [(10, 1)]
     assert connections_per_pod(env, "memory") == {"pump": 11}
 
@@ -98,6 +106,8 @@ def test_kafka_database_offsets_open_an_engine_of_four(
     assert recorder.engines == [(2, 2)]
     counted = connections_per_pod(dict([variable]), "kafka")
     assert counted["kafka-offsets"] == 2 + 2
-    # without them, no second engine, and the formula counts none
-    assert "kafka-offsets" not in connections_per_pod({}, "kafka")
+    # the counts default to the database: a second engine unless both are the broker's
+    assert connections_per_pod({}, "kafka")["kafka-offsets"] == 2 + 2
+    both_broker = {"WORKER_KAFKA_OFFSETS": "broker", "WORKER_DELIVERY_COUNTS": "broker"}
+    assert "kafka-offsets" not in connections_per_pod(both_broker, "kafka")
     assert "kafka-offsets" not in connections_per_pod(dict([variable]), "rabbitmq")

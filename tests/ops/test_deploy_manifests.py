@@ -188,19 +188,27 @@ def test_the_budget_check_catches_the_old_sizes(monkeypatch: pytest.MonkeyPatch)
 def test_the_budget_counts_the_engine_of_kafka_database_offsets(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """WORKER_KAFKA_OFFSETS=database opens a second engine (2 + 2) in every pod: the
-    shipped Kafka figures then no longer fit, and the check says so."""
+    """The Kafka store's second engine (2 + 2) is in every pod unless both Kafka database
+    modes are off: with both off the shipped figures lose it, and at the pool size of
+    the other brokers (10) they would no longer fit with it, and the check says so."""
     rendered = copy.deepcopy(list(render("kafka")))
     for doc in rendered:
         if doc["kind"] == "ConfigMap":
-            doc["data"]["WORKER_KAFKA_OFFSETS"] = "database"
+            doc["data"]["WORKER_KAFKA_OFFSETS"] = "broker"
+            doc["data"]["WORKER_DELIVERY_COUNTS"] = "broker"
     import tests.ops.test_deploy_manifests as me
 
     _, _, before = connection_budget("kafka")
     monkeypatch.setattr(me, "render", lambda _overlay: tuple(rendered))
     monkeypatch.setattr(me, "config", lambda _overlay: one(tuple(rendered), "ConfigMap")["data"])
+    _, _, without = connection_budget("kafka")
+    assert without["per_pod"] == before["per_pod"] - 4
+    for doc in rendered:
+        if doc["kind"] == "ConfigMap":
+            doc["data"]["WORKER_DELIVERY_COUNTS"] = "database"
+            doc["data"]["WORKER_DB_POOL_SIZE"] = "10"
     needed, available, figures = connection_budget("kafka")
-    assert figures["per_pod"] == before["per_pod"] + 4
+    assert figures["per_pod"] == 10 + 1 + 1 + 4
     assert needed == 6 * 16 + 3 > available
 
 

@@ -351,8 +351,8 @@ def test_the_chart_counts_the_same_connections_per_pod_as_the_formula(
 
 
 def test_a_render_past_the_connection_budget_fails_and_says_what_to_change() -> None:
-    # Kafka with database offsets adds an engine of 4 per pod: 6 x 16 + 3 > 90
-    line = helm_failure(values("kafka", kafka={"config": {"WORKER_KAFKA_OFFSETS": "database"}}))
+    # Kafka's pool at concurrency + 2 again, beside the offsets engine's 4: 6 x 16 + 3 > 90
+    line = helm_failure(values("kafka", kafka={"config": {"WORKER_DB_POOL_SIZE": "10"}}))
     assert line.count("\n") == 0 or "connection budget" in line.splitlines()[0]
     assert "connection budget: 6 pods x 16 connections + 3 others = 99 > 90" in line
     assert "autoscaling.maxReplicas" in line

@@ -83,7 +83,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | 
 {{- $overflow := int (default "2" (get $config "WORKER_DB_MAX_OVERFLOW")) -}}
 {{- $monitor := 1 -}}
 {{- $offsets := 0 -}}
-{{- if and (eq .Values.broker "kafka") (or (eq (get $config "WORKER_KAFKA_OFFSETS") "database") (eq (get $config "WORKER_DELIVERY_COUNTS") "database")) -}}
+{{- if and (eq .Values.broker "kafka") (or (eq (get $config "WORKER_KAFKA_OFFSETS") "database") (ne (default "database" (get $config "WORKER_DELIVERY_COUNTS")) "broker")) -}}
 {{- $offsets = 4 -}}
 {{- end -}}
 {{- add $pool $overflow $monitor $offsets -}}
