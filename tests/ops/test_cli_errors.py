@@ -33,10 +33,10 @@ DATABASE_COMMANDS = [("migrate",), ("sweep",), ("purge-inbox",)]
 BROKER_COMMANDS = [("dlq",), ("dlq", "--resubmit"), ("publish", "-")]
 
 
-def one_line(result: object, *expected: str) -> str:
-    """Exit 1, a single line on stderr (stdout empty) that contains every ``expected``."""
-    code, out, err = (getattr(result, name) for name in ("returncode", "stdout", "stderr"))
-    assert code == 1, (out, err)
+def one_line(result: object, *expected: str, code: int = 1) -> str:
+    """Exit ``code``, one line on stderr (stdout empty) that contains every ``expected``."""
+    exit_code, out, err = (getattr(result, name) for name in ("returncode", "stdout", "stderr"))
+    assert exit_code == code, (out, err)
     assert out == "", out
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
@@ -124,7 +124,13 @@ def test_rabbitmq_down(command: tuple[str, ...]) -> None:
 def test_rabbitmq_refuses_the_login(command: tuple[str, ...], rabbitmq_vhost: str) -> None:
     url = guest_url(rabbitmq_vhost).replace("guest:guest@", f"guest:{SECRET}@")
     result = run_cli(rabbit_env(url), *command, stdin=PUBLISH_INPUT)
-    one_line(result, "worker: broker unavailable: amqp://guest:***@", "ACCESS_REFUSED")
+    # configuration no retry fixes: exit 2, as a bad setting
+    one_line(
+        result,
+        "worker: configuration error: WORKER_RABBITMQ_URL=amqp://guest:***@",
+        "login refused (ACCESS_REFUSED",
+        code=2,
+    )
 
 
 @pytest.mark.parametrize("command", BROKER_COMMANDS)

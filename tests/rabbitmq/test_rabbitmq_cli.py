@@ -113,14 +113,15 @@ async def test_the_password_never_reaches_a_log(
             worker.kill()
         output = worker.log_path.read_text()
         assert f"{user}:***@" in output  # the URL is logged, redacted
-        failures = [
-            good.url.replace(secret, secret + "-wrong"),  # refused login
-            good.url.replace(":5672/", ":1/"),  # nothing listens
+        failures = [  # (URL, exit code, the line's words)
+            (good.url.replace(secret, secret + "-wrong"), 2, "login refused"),  # at once
+            (good.url.replace(":5672/", ":1/"), 1, "broker unavailable"),  # nothing listens
         ]
-        for url in failures:
-            result = await arun_cli({**env, "WORKER_RABBITMQ_URL": url}, "run")
-            assert result.returncode == 1, result.stderr
-            assert "broker unavailable" in result.stderr
+        for url, code, words in failures:
+            failing = {**env, "WORKER_RABBITMQ_URL": url, "WORKER_START_TIMEOUT": "1"}
+            result = await arun_cli(failing, "run")
+            assert result.returncode == code, result.stderr
+            assert words in result.stderr
             output += result.stdout + result.stderr
         assert secret not in output
     finally:

@@ -9,14 +9,21 @@ from __future__ import annotations
 import os
 import ssl
 from typing import Any, Literal
+from urllib.parse import unquote, urlsplit
 
-from aiormq.exceptions import AMQPError, ChannelPreconditionFailed
+from aiormq.exceptions import (
+    AMQPError,
+    ChannelPreconditionFailed,
+    InvalidFrameError,
+    ProbableAuthenticationError,
+)
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from worker.db import redact
 from worker.errors import BrokerUnavailable, ConfigurationError, WorkerError
 from worker.logs import scrub
+from worker.startup import reason
 
 _DEFAULT_RETRY_DELAYS = (1.0, 5.0, 30.0, 120.0)
 
@@ -136,9 +143,22 @@ def connect_args(settings: RabbitMQSettings) -> dict[str, Any]:
 
 
 def start_failure(settings: RabbitMQSettings, exc: BaseException) -> WorkerError:
+    """What a failed start means: configuration no retry can fix, or a broker not there yet."""
+    url = redact(settings.url)
     if isinstance(exc, ChannelPreconditionFailed):  # a queue exists with other arguments
         return ConfigurationError(
             f"WORKER_RABBITMQ_QUEUE={settings.queue!r}: {exc}; the existing queues were declared "
             "with other settings (queue type, retry delays): pick a new queue name or delete them"
         )
-    return BrokerUnavailable(f"{redact(settings.url)}: {scrub(str(exc))}")
+    if isinstance(exc, ProbableAuthenticationError):
+        return ConfigurationError(f"WORKER_RABBITMQ_URL={url}: login refused ({exc.args[0]})")
+    if isinstance(exc, InvalidFrameError) and "Connection.Close" in str(exc):
+        # The broker closed the connection in answer to connection.open: the only
+        # argument there is the virtual host (aiormq keeps no more than the frame's name).
+        vhost = unquote(urlsplit(settings.url).path[1:]) or "/"
+        return ConfigurationError(
+            f"WORKER_RABBITMQ_URL={url}: the broker refused virtual host {vhost!r} "
+            "(it does not exist, or this user has no permission on it)"
+        )
+    return BrokerUnavailable(f"{url}: {scrub(reason(exc))}")
+
