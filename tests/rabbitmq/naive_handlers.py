@@ -3,7 +3,8 @@
 No unique constraint, no version token: the design notes' broken baseline, run
 through the same real pump and broker so the acceptance test can show it fail.
 Its tables (``naive_accounts``, ``naive_inbox``) are created by the test with
-plain SQL.
+plain SQL. Only worker processes import this module: importing it registers the
+handler in the process's default registry, beside the shipped ones.
 """
 
 from __future__ import annotations
@@ -39,9 +40,3 @@ async def naive_credit(ctx: Context, message: NaiveCredit) -> None:
     await session.execute(
         text("INSERT INTO naive_inbox (message_id) VALUES (:m)"), {"m": ctx.message_id}
     )
-
-
-NAIVE_TABLES = (
-    "CREATE TABLE IF NOT EXISTS naive_accounts (id text PRIMARY KEY, balance numeric(18, 2))",
-    "CREATE TABLE IF NOT EXISTS naive_inbox (id bigserial PRIMARY KEY, message_id text)",
-)

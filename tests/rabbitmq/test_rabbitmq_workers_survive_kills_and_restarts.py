@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.rabbitmq.naive_handlers import NAIVE_TABLES
 from tests.rabbitmq.rabbit_helpers import (
     all_depths,
     credit_registry,
@@ -44,6 +43,12 @@ pytestmark = [pytest.mark.rabbitmq, pytest.mark.postgres]
 ACCOUNTS = 20
 UNIQUE = 5_000
 TWICE = 0.20
+
+# tests/rabbitmq/naive_handlers.py's tables (importing it here would register its handler)
+NAIVE_TABLES = (
+    "CREATE TABLE IF NOT EXISTS naive_accounts (id text PRIMARY KEY, balance numeric(18, 2))",
+    "CREATE TABLE IF NOT EXISTS naive_inbox (id bigserial PRIMARY KEY, message_id text)",
+)
 
 
 def make_stream(
