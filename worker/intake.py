@@ -156,10 +156,11 @@ class Intake:
         self.in_flight -= work.size
         again: list[Item] = []
         for item in work.items:
-            if item.deferred:
+            if item.deferred:  # runs again on its own, its twins with it (settled with it)
                 item.deferred, item.verdict, item.consumer = False, None, None
                 again.append(item)
-            elif item.verdict is not None and item.verdict.verb is not Verb.ACK:
+                continue
+            if item.verdict is not None and item.verdict.verb is not Verb.ACK:
                 again.extend(item.twins)
             item.twins = []
         waiting: list[Work] = []

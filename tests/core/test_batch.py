@@ -20,7 +20,7 @@ from tests.support.pumps import MakeSettings, RunPumps
 from tests.support.waiting import wait_for
 from worker.brokers.memory import MemoryBroker, MemoryConsumer
 from worker.delivery import Delivery
-from worker.errors import ConfigurationError, Poison
+from worker.errors import ConfigurationError, Poison, PreconditionFailed
 from worker.inbox import InboxMarker
 from worker.registry import BatchContext, Context, Registry
 from worker.settings import Settings, load, unknown_variables
@@ -110,6 +110,34 @@ async def test_two_batch_pumps_apply_every_credit_once(
     assert committed == 120
     assert sum(p.stats["duplicates-in-batch"] + p.stats["duplicates-batch"] for p in pumps) > 0
     assert all(verb == "ack" for verb, _, _ in broker.history)
+
+
+
+async def test_a_deferred_message_takes_its_twin_along(
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
+) -> None:
+    """A message deferred inside its batch (here: a rejection, recorded on its own after
+    the batch commits) runs again alone. A copy of it that arrived in the same batch (a
+    producer retry) is its twin and must go with it, to be acked as its duplicate: dropped
+    with the deferral, it stayed unsettled for good."""
+    registry = Registry()
+
+    @registry.handler("Credit", CreditRequested, consumer="credit")
+    async def credit(ctx: Context, message: CreditRequested) -> None:
+        if message.account_id == "closed":
+            raise PreconditionFailed("account closed", subject=message.account_id)
+        await apply_credit(ctx, message)
+
+    settings = make_settings(batch_size=8, batch_wait=0.2, concurrency=1)
+    broker = MemoryBroker()
+    async with run_pumps([broker.connect()], [engine], registry, settings):
+        broker.publish("m-open", "Credit", body("acct-1", "1.00"))
+        broker.publish("m-closed", "Credit", body("closed", "1.00"), copies=2)
+        broker.publish("m-open-2", "Credit", body("acct-1", "2.00"))
+        await broker.wait_idle(10)
+    assert history(broker, "m-closed") == [("ack", 1), ("ack", 1)]  # recorded, and its twin
+    assert await balances(engine) == {"acct-1": Decimal("3.00")}
+    assert await marker_counts(engine) == Counter(["m-open", "m-open-2", "m-closed"])
 
 
 # -- one message's failure stays its own ------------------------------------------------
