@@ -149,11 +149,11 @@ _STORED = select(_table.c.deliveries).where(
 )
 
 
-async def started_before(engine: AsyncEngine, delivery: Delivery, consumer: str) -> bool:
-    """Whether a start of this message after its first was already recorded: a suspect that
-    was started as a redelivery before and came back unsettled again (read only; the start
-    it is about to have is counted by :func:`count` when it starts). A failed read says yes:
-    running alone is the safe side."""
+async def started(engine: AsyncEngine, delivery: Delivery, consumer: str) -> bool:
+    """Whether a start of this message was already recorded (read only; the start it is
+    about to have is counted by :func:`count` when it starts). Where every start is
+    recorded (:func:`every_start`), no row means it was only ever held. A failed read
+    says yes: running alone is the safe side."""
     try:
         async with engine.connect() as connection:
             found = await connection.execute(_STORED, {"m": delivery.message_id, "c": consumer})

@@ -8,13 +8,14 @@ One reader task takes deliveries from the broker and, for each:
    raises), a key function that fails or returns something unhashable. Each of these
    fails the same way on every delivery, so none of them may be a counted nack that
    comes back for ever;
-2. runs a repeat suspect alone. A suspect is a delivery the broker took back from a
-   consumer that never settled it: any of them may be what killed that process. The
-   first time, it runs beside the others and its start is counted (a crash storm must
-   not turn everything a dead process held into a queue of one); if it comes back
-   unsettled again after that counted start, it runs alone: the reader waits until
-   nothing else is in flight, hands it out, and takes nothing more until it is
-   settled, so each further death charges only the message that caused it;
+2. runs a suspect alone. A suspect is a delivery the broker took back from a consumer
+   that never settled it: any of them may be what killed that process. The reader
+   waits until nothing else is in flight, hands it out, and takes nothing more until
+   it is settled, so a further death charges only the message that caused it, and a
+   delivery that ran beside the killer spends one count, for that one death. Where
+   every start is recorded (batch mode, or ``WORKER_COUNT_FIRST_DELIVERIES``), a
+   suspect whose start the database never saw was only held, not running: it is no
+   suspect, and runs as any other delivery;
 3. in batch mode, puts a delivery that may share a transaction into its bucket
    (one per message type and delivery group); a key belongs to one open bucket at a
    time, and a group's open bucket is cut as soon as a delivery of another type, or
@@ -235,7 +236,7 @@ class Intake:
             item.verdict = refused
             self._ready.put_nowait(Work([item]))
             return
-        if delivery.suspect and await self._repeat_suspect(item, handlers):
+        if delivery.suspect and await self._runs_alone(item, handlers):
             await self._alone(self._single(item, handlers, alone=True))
         elif self._size > 1 and self._may_batch(delivery):
             self._bucket(item, handlers)
@@ -296,18 +297,19 @@ class Intake:
 
     # -- suspects -----------------------------------------------------------------------
 
-    async def _repeat_suspect(self, item: Item, handlers: tuple[Handler[Any], ...]) -> bool:
-        """Whether a suspect runs alone: it came back unsettled again after a start that was
-        already a suspect's (or a redelivery's). A first return after a death runs beside
-        the others, its start counted, so a crash storm does not turn every delivery the
-        dead process held into a queue of one; a second one is the likely killer. (One whose
-        first copy still runs here came back on a lost lock, not after a death.)"""
+    async def _runs_alone(self, item: Item, handlers: tuple[Handler[Any], ...]) -> bool:
+        """Whether a suspect runs alone: always, unless the database can tell it was only
+        held (every start is recorded, and this one's never was), or its first copy still
+        runs here (it came back on a lost lock, not after a death). Running every delivery
+        a dead process held one at a time costs a short queue of one (the prefetch); a
+        suspect running beside others would charge them its next death too."""
         if self._running_ids[item.message_id] > 0:
             return False
-        delivery = item.delivery
-        if self._settings.delivery_counts != "database":
-            return delivery.delivery_count > 2
-        return await attempts.started_before(self._engine, delivery, handlers[0].consumer)
+        settings = self._settings
+        if settings.delivery_counts == "database" and attempts.every_start(settings):
+            consumer = handlers[0].consumer
+            return await attempts.started(self._engine, item.delivery, consumer)
+        return True
 
     async def _alone(self, work: Work) -> None:
         """Run ``work`` with nothing else in flight, and take nothing until it is done."""

@@ -38,9 +38,25 @@ MAX_DELIVERIES = 5
 
 
 @pytest.mark.parametrize(
-    ("batch_size", "killers"),
-    [(1, ["kill-1"]), (32, ["kill-1"]), (1, ["kill-1", "kill-2"]), (32, ["kill-1", "kill-2"])],
-    ids=["per-message", "batch", "per-message-two-killers", "batch-two-killers"],
+    ("batch_size", "killers", "max_deliveries"),
+    [
+        (1, ["kill-1"], MAX_DELIVERIES),
+        (32, ["kill-1"], MAX_DELIVERIES),
+        (1, ["kill-1", "kill-2"], MAX_DELIVERIES),
+        (32, ["kill-1", "kill-2"], MAX_DELIVERIES),
+        # a bystander spends one count, for the one death it ran beside: at a limit of 2 a
+        # second death beside the killer would dead-letter it
+        (1, ["kill-1"], 2),
+        (32, ["kill-1"], 2),
+    ],
+    ids=[
+        "per-message",
+        "batch",
+        "per-message-two-killers",
+        "batch-two-killers",
+        "per-message-limit-2",
+        "batch-limit-2",
+    ],
 )
 async def test_a_killer_is_dead_lettered_alone_after_max_deliveries_deaths(
     rabbit_settings: MakeRabbitSettings,
@@ -49,12 +65,13 @@ async def test_a_killer_is_dead_lettered_alone_after_max_deliveries_deaths(
     tmp_path: Path,
     batch_size: int,
     killers: list[str],
+    max_deliveries: int,
 ) -> None:
     rabbit = rabbit_settings(retry_delays=[0.2, 1.0], queue_type="quorum")
     deaths_file = tmp_path / "deaths"
     env = rabbit_env(
         rabbit, pg, WORKER_HANDLERS="tests.support.killer_handlers",
-        WORKER_CONCURRENCY="16", WORKER_MAX_DELIVERIES=str(MAX_DELIVERIES),
+        WORKER_CONCURRENCY="16", WORKER_MAX_DELIVERIES=str(max_deliveries),
         WORKER_BATCH_SIZE=str(batch_size), WORKER_GRACE_PERIOD="5",
         WORKER_TEST_KILLERS=",".join(killers), WORKER_TEST_DEATHS=str(deaths_file),
     )  # fmt: skip
@@ -88,10 +105,10 @@ async def test_a_killer_is_dead_lettered_alone_after_max_deliveries_deaths(
     assert dead == sorted(killers), report  # 0 valid messages dead-lettered
     assert await balances(pg) == {f"acct-{n}": Decimal(VALID // 10) for n in range(10)}
     if batch_size == 1 or len(killers) == 1:  # each killer: exactly WORKER_MAX_DELIVERIES
-        assert deaths == dict.fromkeys(killers, MAX_DELIVERIES), report
+        assert deaths == dict.fromkeys(killers, max_deliveries), report
     else:  # a batch is one unit of work: a killer in the batch another killer took down
         # spent that count as its bystander, and goes one death earlier
-        assert all(MAX_DELIVERIES - 1 <= deaths[k] <= MAX_DELIVERIES for k in killers), report
+        assert all(max_deliveries - 1 <= deaths[k] <= max_deliveries for k in killers), report
     assert restarts <= sum(deaths.values()), report
     if len(killers) == 1:
-        assert restarts == MAX_DELIVERIES, report
+        assert restarts == max_deliveries, report

@@ -142,12 +142,16 @@ class MemoryBroker:
         copies: int = 1,
         to_all: bool = False,
         lose_acks: int = 0,
+        delivered_before: int = 0,
     ) -> None:
-        """Enqueue a message; see the module docstring for the failure knobs."""
+        """Enqueue a message; see the module docstring for the failure knobs.
+        ``delivered_before``: deliveries it had already (it arrives as a redelivery)."""
         raw = json.dumps(body).encode() if isinstance(body, dict) else body
         self.stats["published"] += copies
         for _ in range(copies):
-            message = MemoryMessage(message_id, type, raw, dict(headers or {}), 0, lose_acks)
+            message = MemoryMessage(
+                message_id, type, raw, dict(headers or {}), delivered_before, lose_acks
+            )
             if to_all and self.consumers:
                 live = [c for c in self.consumers if c.consuming]
                 for consumer in live or self.consumers:
