@@ -72,6 +72,7 @@ class Delivery:
         "group",
         "headers",
         "message_id",
+        "refusal",
         "settled",
         "suspect",
         "type",
@@ -89,6 +90,7 @@ class Delivery:
         *,
         suspect: bool = False,
         give_backs: int = 0,
+        refusal: str | None = None,
     ) -> None:
         self.message_id = message_id
         self.type = type
@@ -99,6 +101,7 @@ class Delivery:
         self._handle = handle
         self.suspect = suspect
         self.give_backs = give_backs
+        self.refusal = refusal
         self.settled: str | None = None
         self.group: Hashable = None
 

@@ -2,12 +2,12 @@
 
 One reader task takes deliveries from the broker and, for each:
 
-1. refuses what no handler can run, dead-lettering it at once with the reason: no
-   usable id (missing, empty, not a string, longer than the inbox stores), no handler
-   for its type, a body that does not decode or validate (whatever the validator
-   raises), a key function that fails or returns something unhashable. Each of these
-   fails the same way on every delivery, so none of them may be a counted nack that
-   comes back for ever;
+1. refuses what no handler can run, dead-lettering it at once with the reason: what
+   the adapter could not read (``Delivery.refusal``), no usable id (missing, empty, not
+   a string, longer than the inbox stores), no handler for its type, a body that does
+   not decode or validate (whatever the validator raises), a key function that fails
+   or returns something unhashable. Each of these fails the same way on every
+   delivery, so none of them may be a counted nack that comes back for ever;
 2. runs a suspect alone. A suspect is a delivery the broker took back from a consumer
    that never settled it: any of them may be what killed that process. The reader
    waits until nothing else is in flight, hands it out, and takes nothing more until
@@ -254,15 +254,9 @@ class Intake:
     ) -> tuple[Item, Verdict | None]:
         """Decode once per model and compute the key; or the reason no handler can run it."""
         item = Item(delivery, {})
-        message_id = delivery.message_id
-        if message_id is None:
-            return item, poison("no message id")
-        if not isinstance(message_id, str):
-            return item, poison(f"message id is a {type(message_id).__name__}, not a string")
-        if not message_id:
-            return item, poison("empty message id")
-        if len(message_id) > inbox.MESSAGE_ID_LENGTH:
-            return item, poison(f"message id longer than {inbox.MESSAGE_ID_LENGTH} characters")
+        unreadable = _unreadable(delivery)
+        if unreadable is not None:
+            return item, poison(unreadable)
         if not handlers:
             return item, poison(f"no handler for message type {delivery.type!r}")
         body = delivery.body
@@ -458,6 +452,23 @@ def _with_twins(items: list[Item]) -> Iterator[Item]:
     for item in items:
         yield item
         yield from item.twins
+
+
+def _unreadable(delivery: Delivery) -> str | None:
+    """Why the delivery has no usable id, or what its adapter could not read (that comes
+    first: it is the cause, a missing id only its consequence)."""
+    if delivery.refusal is not None:
+        return delivery.refusal
+    message_id = delivery.message_id
+    if message_id is None:
+        return "no message id"
+    if not isinstance(message_id, str):
+        return f"message id is a {type(message_id).__name__}, not a string"
+    if not message_id:
+        return "empty message id"
+    if len(message_id) > inbox.MESSAGE_ID_LENGTH:
+        return f"message id longer than {inbox.MESSAGE_ID_LENGTH} characters"
+    return None
 
 
 def _first_error(exc: ValidationError) -> str:

@@ -54,7 +54,10 @@ def test_one_cloudevents_key_across_brokers(source: str, event_id: str) -> None:
     """Issue 14 item 4: the same event through RabbitMQ and Kafka gets the same key."""
     source, event_id = (s.encode().decode("unicode_escape") for s in (source, event_id))
     amqp = SimpleNamespace(
-        message_id="random-by-aiormq", headers={"ce-id": event_id, "ce-source": source}
+        message_id="random-by-aiormq",
+        headers={"ce-id": event_id, "ce-source": source},
+        content_type="application/json",  # binary mode: the data's type
+        body=b"{}",
     )
     kafka = record_id(
         ("message-id", b"random"), ("ce_id", event_id.encode()), ("ce_source", source.encode())

@@ -15,6 +15,11 @@ ways real brokers do:
   ``publish(lose_acks=1)`` drops the first ack, as if the worker died between
   its commit and its ack.
 
+The dedup key is the id given to :meth:`MemoryBroker.publish`, except for a structured
+CloudEvent (a ``content-type: application/cloudevents+json`` header, the event as the
+body), whose ``source`` + ``id`` key it as on every broker, and whose type and data are
+the delivery's, so tests and ``worker publish`` can send what a real producer sends.
+
 Deliveries are pushed to consumers round-robin, at most ``prefetch`` unsettled each.
 ``ack_many`` (batch mode) acks several in one call, each recorded as its own ack.
 :class:`MemoryPublisher` is the outbox relay's way in, inside ``worker run``.
@@ -30,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from worker.brokers import IdentityFunc, load_identity
+from worker.brokers.cloudevents import Contents, Event, contents, structured
 from worker.brokers.outgoing import Outgoing
 from worker.delivery import Delivery
 from worker.errors import ConfigurationError, SettlementLost
@@ -70,21 +76,37 @@ class _Flight:
         self.consumer = consumer
         self.live = True
         self.timer: asyncio.TimerHandle | None = None
+        binary = Contents(message.type, message.body, message.headers)
+        read = contents(structured_event(message), binary, "ce-")
         self.delivery = Delivery(
             consumer.broker.identity(message),
-            message.type,
-            message.body,
-            message.headers,
+            read.type,
+            read.body,
+            read.headers,
             message.delivery_count,
             consumer,
             self,
             suspect=message.returned,
             give_backs=message.give_backs,
+            refusal=read.refusal,
         )
 
 
+def structured_event(message: MemoryMessage) -> Event | None:
+    """The event of a structured-mode message (its ``content-type`` header says so)."""
+    content_type = next(
+        (str(value) for name, value in message.headers.items() if name.lower() == "content-type"),
+        None,
+    )
+    return structured(content_type, message.body)
+
+
 def default_message_id(message: MemoryMessage) -> str | None:
-    """The memory broker's dedup key: the id given to :meth:`MemoryBroker.publish`."""
+    """The memory broker's dedup key: the id given to :meth:`MemoryBroker.publish`, or a
+    structured CloudEvent's ``source`` + ``id``."""
+    event = structured_event(message)
+    if event is not None and event.key is not None:
+        return event.key
     return message.message_id
 
 

@@ -23,6 +23,7 @@ from worker.brokers.kafka.records import (
     DLT_REASON,
     DLT_TOPIC,
     header_text,
+    record_contents,
     record_headers,
 )
 from worker.brokers.kafka.settings import FETCH_WAIT_MS, start_producer
@@ -164,7 +165,7 @@ class KafkaAdmin:
         at = record.timestamp
         return DeadLetterInfo(
             message_id=headers.get(DLT_MESSAGE_ID),
-            type=headers.get(self.kafka.type_header) or headers.get("ce_type"),
+            type=record_contents(record, headers, self.kafka.type_header, {}).type,
             reason=headers.get(DLT_REASON, ""),
             body=record.value or b"",
             headers=headers,

@@ -54,7 +54,7 @@ from worker.brokers import load_identity
 from worker.brokers.kafka import membership
 from worker.brokers.kafka.deadletters import DeadLetters
 from worker.brokers.kafka.partitions import Handle, Partition, Tally
-from worker.brokers.kafka.records import header_message_id, record_headers
+from worker.brokers.kafka.records import header_message_id, record_contents, record_headers
 from worker.brokers.kafka.settings import FETCH_WAIT_MS, start_client
 from worker.brokers.kafka.store import RESERVE_AHEAD, open_store
 from worker.brokers.kafka.watchdog import Watchdog
@@ -342,25 +342,23 @@ class KafkaConsumer:
                 "message id function failed", error=exc, partition=partition.label, offset=offset
             )
             message_id = None
-        message_type = (
-            headers.get(self.kafka.type_header)
-            or headers.get("ce_type")
-            or self.kafka.topic_types.get(record.topic)
-        )
+        # a structured CloudEvent's type, data and attributes; else the headers' type
+        contents = record_contents(record, headers, self.kafka.type_header, self.kafka.topic_types)
         handle = Handle(partition, record, attempt, message_id)
         self.watchdog.arm(handle)
         if partition.windowed:
             self._offer(partition)  # records of other keys, or the rest of a batch, may go at once
         delivery = Delivery(
             message_id,
-            message_type,
-            record.value or b"",
-            headers,
+            contents.type,
+            contents.body,
+            contents.headers,
             attempt,
             self,
             handle,
             suspect=suspect,
             give_backs=self._tally.give_backs(tp, offset),
+            refusal=contents.refusal,
         )
         delivery.group = (record.topic, record.partition)  # batches stay within a partition
         return delivery

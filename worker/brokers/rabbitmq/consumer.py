@@ -45,7 +45,7 @@ from worker.brokers.rabbitmq.messages import (
     REASON_HEADER,
     copy_message,
     delivery_count,
-    message_type,
+    message_contents,
     returned,
 )
 from worker.brokers.rabbitmq.settings import (
@@ -214,15 +214,17 @@ class RabbitMQConsumer:
             self.stats["message_id_func_failed"] += 1
             self._log.exception("message id function failed", delivery_count=count)
             message_id = None
+        contents = message_contents(message)  # a structured CloudEvent's type, data, headers
         delivery = Delivery(
             message_id,
-            message_type(message),
-            message.body,
-            message.headers or {},
+            contents.type,
+            contents.body,
+            contents.headers,
             count,
             self,
             handle,
             suspect=returned(message),
+            refusal=contents.refusal,
         )
         self._buffer.put_nowait((handle, delivery))
 

@@ -1,6 +1,13 @@
 """What the worker reads from, and writes onto, an AMQP message: its type, its dedup key,
 its delivery count, and the copies that carry them from one queue to the next.
 
+Dedup key (the default, ``WORKER_MESSAGE_ID_FUNC`` replaces it): the CloudEvents
+``source`` + ``id``, from the body of a structured-mode event (content type
+``application/cloudevents+json``) or from binary-mode ``ce-`` headers, as
+:func:`worker.brokers.cloudevents.event_key` builds it on every broker; else the AMQP
+``message_id``. A structured event's ``type`` and ``data`` are the delivery's type and
+body (:func:`message_contents`), so its three parts come from one reading of one body.
+
 Delivery count = ``x-worker-deliveries`` (the worker's own count, carried across its
 copies; ignored on a dead letter moved back by an operator tool) + the quorum
 queue's ``x-delivery-count`` (returns inside the queue: crashed consumers, lost
@@ -11,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 from collections.abc import Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -20,6 +26,7 @@ import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
 
 from worker.brokers import IdentityFunc, load_identity
+from worker.brokers.cloudevents import Contents, Event, contents, event_key, structured
 
 if TYPE_CHECKING:
     from worker.brokers.rabbitmq.settings import RabbitMQSettings
@@ -52,22 +59,43 @@ def _cloud_event(headers: Mapping[str, Any], attribute: str) -> str | None:
     return None
 
 
+def structured_event(message: AbstractIncomingMessage) -> Event | None:
+    """The event of a structured-mode message (the ``content_type`` property says so)."""
+    return structured(message.content_type, message.body)
+
+
+def message_contents(message: AbstractIncomingMessage) -> Contents:
+    """What a delivery of ``message`` is made of: in structured mode the event's type,
+    data and attributes; otherwise the AMQP ``type`` property (else the ``ce-type``
+    header), the body and the headers as they are."""
+    headers = message.headers or {}
+    binary = Contents(message.type or _cloud_event(headers, "type"), message.body, headers)
+    return contents(structured_event(message), binary, "ce-")
+
+
 def message_type(message: AbstractIncomingMessage) -> str | None:
-    """The AMQP ``type`` property, else the CloudEvents ``ce-type`` header."""
-    return message.type or _cloud_event(message.headers or {}, "type")
+    """The type that picks the handler (see :func:`message_contents`)."""
+    return message_contents(message).type
 
 
 def default_message_id(message: AbstractIncomingMessage) -> str | None:
-    """CloudEvents source + id when both are present, else the AMQP ``message_id``, else None.
+    """CloudEvents source + id (structured body, else binary headers), else the AMQP
+    ``message_id``, else None.
 
     The CloudEvents pair comes first because aiormq (under aio-pika) stamps a
     random ``message_id`` on every message published without one, so a producer
-    retry through aio-pika carries a new id while its ``ce-id`` stays the same.
+    retry through aio-pika carries a new id while its event id stays the same. For
+    the same reason a pair too long for the inbox becomes its digest, never the
+    ``message_id``. A structured event without a usable pair is dead-lettered (its
+    ``refusal``); the ``message_id`` then only names it in the dead letter.
     """
+    event = structured_event(message)
+    if event is not None:
+        return event.key or message.message_id or None
     headers = message.headers or {}
     ce_id, ce_source = _cloud_event(headers, "id"), _cloud_event(headers, "source")
     if ce_id is not None and ce_source is not None:
-        return json.dumps([ce_source, ce_id], separators=(",", ":"))
+        return event_key(ce_source, ce_id)
     return message.message_id or None
 
 
