@@ -112,8 +112,17 @@ class WorkerProcess:
             self.process.send_signal(sig)
 
     def wait(self, timeout: float) -> int:
+        """Its exit code; a process still running after ``timeout`` fails the test with the
+        tail of its log, which says where its shutdown stands."""
         try:
             return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._log.flush()
+            tail = self.log_path.read_text(errors="replace").splitlines()[-15:]
+            raise AssertionError(
+                f"worker pid {self.process.pid} still running {timeout}s later; "
+                "its last log lines:\n" + "\n".join(tail)
+            ) from None
         finally:
             self._log.close()
 
