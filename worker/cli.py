@@ -29,13 +29,14 @@ from worker.brokers import (
     OutgoingMessage,
     open_admin,
 )
-from worker.errors import BrokerUnavailable, ConfigurationError
+from worker.errors import BrokerUnavailable, ConfigurationError, MigrationFailed
 from worker.settings import Settings, check_environment, load
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
     from worker.brokers import Broker
+    from worker.histories import History
     from worker.pump import Pump
     from worker.registry import Registry
 
@@ -59,7 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch p
     )
     commands.add_parser("run", help="consume from WORKER_BROKER until SIGTERM/SIGINT")
     migrate = commands.add_parser(
-        "migrate", help="upgrade WORKER_DATABASE_URL to the newest schema, or wait for it"
+        "migrate",
+        help="upgrade WORKER_DATABASE_URL: the worker's tables, then your handlers', or wait",
     )
     gate = migrate.add_mutually_exclusive_group()
     gate.add_argument("--check", action="store_true", help="exit 0 if at head, 1 if not")
@@ -67,6 +69,11 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch p
     migrate.add_argument("--timeout", type=float, default=600.0, help="--wait: give up after")
     migrate.add_argument(
         "--lock-timeout", type=float, default=5.0, help="seconds a DDL waits for its lock"
+    )
+    migrate.add_argument(
+        "--worker-only",
+        action="store_true",
+        help="only the worker's own tables (your application runs its own Alembic)",
     )
     demo = commands.add_parser(
         "demo", help="the race and its cure, on SQLite and the memory broker"
@@ -150,6 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch p
     except BrokerUnavailable as exc:
         print(f"worker: broker unavailable: {logs.scrub(str(exc))}", file=sys.stderr)
         return 1
+    except MigrationFailed as exc:
+        print(f"worker: migration failed: {logs.scrub(str(exc))}", file=sys.stderr)
+        return 1
     except Exception as exc:  # a database that cannot serve: one line, not a traceback
         line = database_failure(exc, args.command)
         if line is None:
@@ -158,15 +168,31 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch p
         return 1
 
 
+def _applications(settings: Settings) -> tuple[list[History], list[str]]:
+    """The histories of the applications WORKER_HANDLERS names, and their models' tables.
+
+    The handler modules are imported as ``worker run`` imports them: one that cannot be
+    refuses the command, so a migration never reports success for code that cannot start.
+    """
+    from worker.histories import application_histories, model_tables
+    from worker.registry import import_handlers
+
+    import_handlers(settings.handler_modules)
+    return list(application_histories(settings.handler_modules)), sorted(model_tables())
+
+
 def _migrate(settings: Settings, args: argparse.Namespace) -> int:
     from worker.migrate import migrate_command
 
+    applications, tables = ([], []) if args.worker_only else _applications(settings)
     return migrate_command(
         settings.database_url,
         check=args.check,
         wait=args.wait,
         timeout=args.timeout,
         lock_timeout=args.lock_timeout,
+        applications=applications,
+        tables=tables,
     )
 
 

@@ -53,7 +53,9 @@ def test_migrate_creates_the_schema(tmp_path: Path) -> None:
             "SELECT name FROM sqlite_master WHERE type = 'table'"
         )
     }
-    assert {"inbox", "accounts", "alembic_version"} <= tables
+    # the worker's tables and the example application's (WORKER_HANDLERS=handlers), each
+    # history with its own version table
+    assert {"inbox", "worker_alembic_version", "accounts", "handlers_alembic_version"} <= tables
     assert '"event": "migrated"' in result.stderr
 
 

@@ -1,4 +1,4 @@
-"""Two-phase claims and retention on the inbox; products and rejections tables.
+"""Two-phase claims and retention on the inbox; the rejections table.
 
 Revision ID: 0002
 Revises: 0001
@@ -9,6 +9,9 @@ PostgreSQL (11+) adding them is a catalog change, not a table rewrite. The
 purge index is built CONCURRENTLY on PostgreSQL so a live inbox keeps taking
 inserts while it is built. Every step checks what exists first: the revision
 can be re-run from wherever a killed run stopped.
+
+Releases before the histories were split also created the example handlers' ``products``
+table here; it is the example application's now (handlers/migrations/).
 """
 
 from __future__ import annotations
@@ -63,15 +66,6 @@ def upgrade() -> None:
             ["lease_until"],
             postgresql_where=_claims_only,
             sqlite_where=_claims_only,
-        )
-    if not _inspector().has_table("products"):
-        op.create_table(
-            "products",
-            sa.Column("id", sa.String(64), nullable=False),
-            sa.Column("name", sa.String(200), nullable=False),
-            sa.Column("price", sa.Numeric(18, 2), nullable=False),
-            sa.Column("version", sa.Integer(), nullable=False),
-            sa.PrimaryKeyConstraint("id", name="pk_products"),
         )
     if not _inspector().has_table("rejections"):
         op.create_table(
@@ -133,7 +127,6 @@ def _processed_at_index_concurrently() -> None:
 def downgrade() -> None:
     op.drop_index("ix_rejections_rejected_at", table_name="rejections")
     op.drop_table("rejections")
-    op.drop_table("products")
     op.drop_index("ix_inbox_lease_until", table_name="inbox")
     op.drop_index("ix_inbox_processed_at", table_name="inbox")
     with op.batch_alter_table("inbox") as batch:
