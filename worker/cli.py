@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 
 def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch per command
+    put_project_on_path()
     parser = argparse.ArgumentParser(
         prog="worker",
         description="An idempotent message consumer, and the tools to operate it.",
@@ -166,6 +167,22 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch p
             raise
         print(line, file=sys.stderr)
         return 1
+
+
+def put_project_on_path() -> None:
+    """Import handlers from the working directory, whichever way the worker was started.
+
+    ``python -m worker`` puts the working directory first on ``sys.path``; the ``worker``
+    console script puts its own bin directory there instead, so ``WORKER_HANDLERS=shop.orders``
+    run from the project folder imported with one and not the other. Both now find the
+    project's packages the way ``python -m`` does, and neither does under ``python -P`` /
+    ``PYTHONSAFEPATH``, which keeps the working directory off the path on purpose.
+    """
+    if sys.flags.safe_path:
+        return
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)
 
 
 def _applications(settings: Settings) -> tuple[list[History], list[str]]:
