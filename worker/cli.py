@@ -76,6 +76,11 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch p
         action="store_true",
         help="only the worker's own tables (your application runs its own Alembic)",
     )
+    _revision_arguments(
+        commands.add_parser(
+            "revision", help="add a migration to your handlers' history (migrations/versions/)"
+        )
+    )
     demo = commands.add_parser(
         "demo", help="the race and its cure, on SQLite and the memory broker"
     )
@@ -119,6 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch p
             return asyncio.run(_serve(settings))
         if args.command == "migrate":
             return _migrate(settings, args)
+        if args.command == "revision":
+            return _revision(settings, args)
         if args.command == "publish":
             _quiet_libraries(settings)
             return asyncio.run(_publish(settings, _read_input(args.file)))
@@ -211,6 +218,43 @@ def _migrate(settings: Settings, args: argparse.Namespace) -> int:
         applications=applications,
         tables=tables,
     )
+
+
+def _revision_arguments(revision: argparse.ArgumentParser) -> None:
+    revision.add_argument("-m", "--message", required=True, help="what the revision does")
+    revision.add_argument(
+        "--autogenerate",
+        action="store_true",
+        help="from your models against WORKER_DATABASE_URL (migrated to head first)",
+    )
+    revision.add_argument(
+        "--application", help="the package to write for, when WORKER_HANDLERS names several"
+    )
+    revision.add_argument("--rev-id", help="the revision's id (default: a random one)")
+    revision.add_argument(
+        "--worker",
+        action="store_true",
+        help="the worker's own history (its maintainers, in a source checkout)",
+    )
+
+
+def _revision(settings: Settings, args: argparse.Namespace) -> int:
+    from worker.histories import WORKER, history_to_write
+    from worker.migrate import revision
+
+    if args.worker:
+        history = WORKER
+    else:
+        _applications(settings)  # the models autogenerate compares, and the refusal
+        history = history_to_write(settings.handler_modules, args.application)
+    path = revision(
+        history,
+        args.message,
+        database_url=settings.database_url if args.autogenerate else None,
+        rev_id=args.rev_id,
+    )
+    print(f"{history.name}: wrote {path} (read it before you migrate)")
+    return 0
 
 
 def read_messages(lines: Iterable[str]) -> list[OutgoingMessage]:
@@ -521,7 +565,9 @@ async def sweep_command(
 
 # -- one line for every failure ----------------------------------------------------
 
-_DATABASE_COMMANDS = frozenset({"run", "migrate", "sweep", "purge-inbox", "outbox", "relay"})
+_DATABASE_COMMANDS = frozenset(
+    {"run", "migrate", "revision", "sweep", "purge-inbox", "outbox", "relay"}
+)
 _ASYNCPG_PREFIX = re.compile(r"^<class '[\w.]+'>: ")
 
 

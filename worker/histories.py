@@ -20,7 +20,9 @@ or in a package above it (the nearest one wins). A ``migrations/`` folder that h
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterable
+import site
+import sysconfig
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,3 +159,42 @@ def application_histories(modules: Iterable[str]) -> tuple[History, ...]:
         if history is not None:
             found.setdefault(history.versions.resolve(), history)
     return tuple(found.values())
+
+
+def history_to_write(modules: Sequence[str], application: str | None = None) -> History:
+    """Where ``worker revision`` writes: the history of the one application WORKER_HANDLERS
+    names (``application`` picks one of several), created beside its handlers if new."""
+    choices: dict[str, History] = {}
+    for module in modules:
+        history, own = _lookup(module)
+        if own:
+            continue  # its own Alembic environment: `alembic revision` there
+        if history is None:  # the first revision: beside the module, in its package
+            directory, package = _candidates(module)[0]
+            history = History(package, directory / "migrations" / "versions", package)
+        choices.setdefault(history.name, history)
+    if application is not None:
+        if application not in choices:
+            named = ", ".join(sorted(choices)) or "none"
+            raise ConfigurationError(
+                f"worker revision: --application {application!r} is not one of WORKER_HANDLERS' "
+                f"applications ({named})"
+            )
+        return choices[application]
+    if len(choices) != 1:
+        named = ", ".join(sorted(choices)) or "none"
+        raise ConfigurationError(
+            f"worker revision: WORKER_HANDLERS names {len(choices)} applications with "
+            f"migrations of the worker's kind ({named}): say which with --application"
+        )
+    return next(iter(choices.values()))
+
+
+def installed(path: Path) -> bool:
+    """Whether ``path`` is inside an installed copy (site-packages), where a revision written
+    would be lost with the next ``pip install`` and never reach your repository."""
+    roots = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    roots.update(site.getsitepackages())
+    roots.add(site.getusersitepackages())
+    resolved = path.resolve()
+    return any(resolved.is_relative_to(Path(root).resolve()) for root in roots)
