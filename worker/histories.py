@@ -31,7 +31,7 @@ from worker.errors import ConfigurationError
 
 WORKER_TABLES = frozenset({"inbox", "rejections", "outbox", "consumer_offsets", "delivery_counts"})
 """The tables the worker's history creates: never an application's. A worker revision that
-adds a table adds its name here (tests/ops/test_migration_histories.py checks it)."""
+adds a table adds its name here (tests/ops/test_migrate_applications.py checks it)."""
 
 VERSION_TABLE_SUFFIX = "_alembic_version"
 LEGACY_VERSION_TABLE = "alembic_version"

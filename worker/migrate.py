@@ -191,8 +191,8 @@ def adopt_legacy_revision(connection: Connection) -> str | None:
 
     Such a database has the worker's tables and the example handlers' ``accounts`` and
     ``products`` under one revision in ``alembic_version``. Its worker revision is copied
-    into ``worker_alembic_version``; nothing else is touched: no table is created, altered
-    or dropped (the inbox's constraint keeps deduplicating throughout), and
+    into ``worker_alembic_version`` (a new table); nothing else is touched: no existing
+    table is altered, locked or dropped (the inbox keeps deduplicating throughout), and
     ``alembic_version`` stays as it was, so the previous release's gate and migration
     still find it at their head after a rollback. The example tables are then the
     application's: its history creates only what is missing. Returns the revision
