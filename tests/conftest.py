@@ -21,13 +21,14 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tests.support.exclusive import holding
+from tests.support.migrations import migrate_with_the_example
 from tests.support.pumps import MakeSettings, RunPumps, pumps_on
 from tests.support.rabbitmq import MakeRabbitSettings, guest_url, throwaway_vhost
 from tests.support.services import require_service
 from tests.support.tansu import Tansu, running_tansu
 from worker.brokers.rabbitmq import RabbitMQSettings
 from worker.db import create_engine
-from worker.migrate import upgrade
+from worker.histories import is_version_table
 from worker.settings import Settings
 
 POSTGRES_ADMIN_URL = os.environ.get(
@@ -62,7 +63,7 @@ def postgres_url() -> Iterator[str]:
     asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
     url = POSTGRES_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
     try:
-        upgrade(url)
+        migrate_with_the_example(url)
         _MIGRATED_TABLES[url] = asyncio.run(_tables(url))
         yield url
     finally:
@@ -73,7 +74,7 @@ def postgres_url() -> Iterator[str]:
 def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One migrated SQLite file; each test gets a copy."""
     path = tmp_path_factory.mktemp("sqlite") / "template.db"
-    upgrade(f"sqlite+aiosqlite:///{path}")
+    migrate_with_the_example(f"sqlite+aiosqlite:///{path}")
     return path
 
 
@@ -104,7 +105,8 @@ async def _truncate(url: str) -> None:
             present = set(rows.scalars())
             for extra in sorted(present - migrated):
                 await connection.execute(text(f'DROP TABLE "{extra}" CASCADE'))
-            names = ", ".join(f'"{t}"' for t in sorted(migrated - {"alembic_version"}))
+            emptied = sorted(t for t in migrated if not is_version_table(t))
+            names = ", ".join(f'"{t}"' for t in emptied)
             if names:
                 await connection.execute(text(f"TRUNCATE {names} RESTART IDENTITY"))
     finally:

@@ -29,18 +29,20 @@ from worker.brokers import (
     OutgoingMessage,
     open_admin,
 )
-from worker.errors import BrokerUnavailable, ConfigurationError
+from worker.errors import BrokerUnavailable, ConfigurationError, MigrationFailed
 from worker.settings import Settings, check_environment, load
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
     from worker.brokers import Broker
+    from worker.histories import History
     from worker.pump import Pump
     from worker.registry import Registry
 
 
 def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch per command
+    put_project_on_path()
     parser = argparse.ArgumentParser(
         prog="worker",
         description="An idempotent message consumer, and the tools to operate it.",
@@ -59,7 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch p
     )
     commands.add_parser("run", help="consume from WORKER_BROKER until SIGTERM/SIGINT")
     migrate = commands.add_parser(
-        "migrate", help="upgrade WORKER_DATABASE_URL to the newest schema, or wait for it"
+        "migrate",
+        help="upgrade WORKER_DATABASE_URL: the worker's tables, then your handlers', or wait",
     )
     gate = migrate.add_mutually_exclusive_group()
     gate.add_argument("--check", action="store_true", help="exit 0 if at head, 1 if not")
@@ -67,6 +70,16 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch p
     migrate.add_argument("--timeout", type=float, default=600.0, help="--wait: give up after")
     migrate.add_argument(
         "--lock-timeout", type=float, default=5.0, help="seconds a DDL waits for its lock"
+    )
+    migrate.add_argument(
+        "--worker-only",
+        action="store_true",
+        help="only the worker's own tables (your application runs its own Alembic)",
+    )
+    _revision_arguments(
+        commands.add_parser(
+            "revision", help="add a migration to your handlers' history (migrations/versions/)"
+        )
     )
     demo = commands.add_parser(
         "demo", help="the race and its cure, on SQLite and the memory broker"
@@ -111,6 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch p
             return asyncio.run(_serve(settings))
         if args.command == "migrate":
             return _migrate(settings, args)
+        if args.command == "revision":
+            return _revision(settings, args)
         if args.command == "publish":
             _quiet_libraries(settings)
             return asyncio.run(_publish(settings, _read_input(args.file)))
@@ -150,6 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch p
     except BrokerUnavailable as exc:
         print(f"worker: broker unavailable: {logs.scrub(str(exc))}", file=sys.stderr)
         return 1
+    except MigrationFailed as exc:
+        print(f"worker: migration failed: {logs.scrub(str(exc))}", file=sys.stderr)
+        return 1
     except Exception as exc:  # a database that cannot serve: one line, not a traceback
         line = database_failure(exc, args.command)
         if line is None:
@@ -158,16 +176,85 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch p
         return 1
 
 
+def put_project_on_path() -> None:
+    """Import handlers from the working directory, whichever way the worker was started.
+
+    ``python -m worker`` puts the working directory first on ``sys.path``; the ``worker``
+    console script puts its own bin directory there instead, so ``WORKER_HANDLERS=shop.orders``
+    run from the project folder imported with one and not the other. Both now find the
+    project's packages the way ``python -m`` does, and neither does under ``python -P`` /
+    ``PYTHONSAFEPATH``, which keeps the working directory off the path on purpose.
+    """
+    if sys.flags.safe_path:
+        return
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)
+
+
+def _applications(settings: Settings) -> tuple[list[History], list[str]]:
+    """The histories of the applications WORKER_HANDLERS names, and their models' tables.
+
+    The handler modules are imported as ``worker run`` imports them: one that cannot be
+    refuses the command, so a migration never reports success for code that cannot start.
+    """
+    from worker.histories import application_histories, model_tables
+    from worker.registry import import_handlers
+
+    import_handlers(settings.handler_modules)
+    return list(application_histories(settings.handler_modules)), sorted(model_tables())
+
+
 def _migrate(settings: Settings, args: argparse.Namespace) -> int:
     from worker.migrate import migrate_command
 
+    applications, tables = ([], []) if args.worker_only else _applications(settings)
     return migrate_command(
         settings.database_url,
         check=args.check,
         wait=args.wait,
         timeout=args.timeout,
         lock_timeout=args.lock_timeout,
+        applications=applications,
+        tables=tables,
     )
+
+
+def _revision_arguments(revision: argparse.ArgumentParser) -> None:
+    revision.add_argument("-m", "--message", required=True, help="what the revision does")
+    revision.add_argument(
+        "--autogenerate",
+        action="store_true",
+        help="from your models against WORKER_DATABASE_URL (migrated to head first)",
+    )
+    revision.add_argument(
+        "--application", help="the package to write for, when WORKER_HANDLERS names several"
+    )
+    revision.add_argument("--rev-id", help="the revision's id (default: a random one)")
+    revision.add_argument(
+        "--worker",
+        action="store_true",
+        help="the worker's own history (its maintainers, in a source checkout)",
+    )
+
+
+def _revision(settings: Settings, args: argparse.Namespace) -> int:
+    from worker.histories import WORKER, history_to_write
+    from worker.migrate import revision
+
+    if args.worker:
+        history = WORKER
+    else:
+        _applications(settings)  # the models autogenerate compares, and the refusal
+        history = history_to_write(settings.handler_modules, args.application)
+    path = revision(
+        history,
+        args.message,
+        database_url=settings.database_url if args.autogenerate else None,
+        rev_id=args.rev_id,
+    )
+    print(f"{history.name}: wrote {path} (read it before you migrate)")
+    return 0
 
 
 def read_messages(lines: Iterable[str]) -> list[OutgoingMessage]:
@@ -478,7 +565,9 @@ async def sweep_command(
 
 # -- one line for every failure ----------------------------------------------------
 
-_DATABASE_COMMANDS = frozenset({"run", "migrate", "sweep", "purge-inbox", "outbox", "relay"})
+_DATABASE_COMMANDS = frozenset(
+    {"run", "migrate", "revision", "sweep", "purge-inbox", "outbox", "relay"}
+)
 _ASYNCPG_PREFIX = re.compile(r"^<class '[\w.]+'>: ")
 
 

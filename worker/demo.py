@@ -33,6 +33,7 @@ from worker.brokers.memory import MemoryBroker, MemoryPublisher
 from worker.context import Context
 from worker.db import create_engine
 from worker.errors import Poison
+from worker.histories import application_histories
 from worker.inbox import InboxMarker
 from worker.migrate import upgrade
 from worker.outbox import model as outbox
@@ -57,6 +58,11 @@ naive_inbox = Table(  # no unique constraint: the check below is all it has
     Column("id", Integer, primary_key=True),
     Column("message_id", String),
 )
+
+
+def _migrate(url: str) -> None:
+    """The worker's tables and the example application's (the credit handler's accounts)."""
+    upgrade(url, applications=application_histories(["handlers"]))
 
 
 def naive_registry(caught: Counter[str]) -> Registry:
@@ -142,7 +148,7 @@ async def demo(messages: int = 400) -> int:
     with tempfile.TemporaryDirectory(prefix="worker-demo-") as tmp:
         naive_url = f"sqlite+aiosqlite:///{Path(tmp) / 'naive.db'}"
         real_url = f"sqlite+aiosqlite:///{Path(tmp) / 'worker.db'}"
-        await asyncio.to_thread(upgrade, real_url)
+        await asyncio.to_thread(_migrate, real_url)
         naive_engine = create_engine(naive_url)
         async with naive_engine.begin() as connection:
             await connection.run_sync(_naive_metadata.create_all)
@@ -273,7 +279,7 @@ class CrashingRelay(Relay):
 async def _events_run(
     url: str, registry: Registry, stream: list[Any], events: MemoryBroker, *, relays: bool
 ) -> dict[str, Any]:
-    await asyncio.to_thread(upgrade, url)
+    await asyncio.to_thread(_migrate, url)
     settings = outbox.OutboxSettings(
         lease=0.5, publish_timeout=0.2, poll_interval=0.05, batch=20, purge_interval=0
     )

@@ -13,6 +13,12 @@ class ConfigurationError(WorkerError):
     """Bad settings: reported as one line at start, never as a traceback."""
 
 
+class MigrationFailed(WorkerError):
+    """A migration history that cannot be migrated as it stands: a revision the database
+    records and the code does not ship, a broken revision file, a database not at head
+    for autogenerate. Reported as one line naming the history."""
+
+
 class AlreadySettled(WorkerError):
     """A delivery was acked, nacked or dead-lettered twice."""
 

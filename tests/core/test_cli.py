@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import signal
 import sqlite3
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.support.processes import clean_env, json_env, run_cli
+from tests.support.processes import REPO, clean_env, console_script, json_env, run_cli
 from worker.logs import scrub
 
 
@@ -53,8 +56,80 @@ def test_migrate_creates_the_schema(tmp_path: Path) -> None:
             "SELECT name FROM sqlite_master WHERE type = 'table'"
         )
     }
-    assert {"inbox", "accounts", "alembic_version"} <= tables
+    # the worker's tables and the example application's (WORKER_HANDLERS=handlers), each
+    # history with its own version table
+    assert {"inbox", "worker_alembic_version", "accounts", "handlers_alembic_version"} <= tables
     assert '"event": "migrated"' in result.stderr
+
+
+@pytest.mark.parametrize("flags", [(), ("--check",), ("--wait", "--timeout", "30")])
+def test_migrate_refuses_handlers_it_cannot_import(flags: tuple[str, ...], tmp_path: Path) -> None:
+    """As ``worker run`` does: a migration must not report success for code that cannot
+    start (it used to exit 0 with no word), nor a gate open for it."""
+    env = {**clean_env(), "WORKER_HANDLERS": "no_such_module"}
+    result = run_cli(env, "migrate", *flags, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("worker: configuration error: WORKER_HANDLERS: cannot import ")
+    assert "'no_such_module'" in line
+    assert not (tmp_path / "worker.db").exists()  # refused before touching the database
+
+
+SHOP = """\
+from pydantic import BaseModel
+
+from worker import Context, handler
+
+
+class Ping(BaseModel):
+    n: int
+
+
+@handler("Ping", Ping, consumer="shop-ping")
+async def ping(ctx: Context, message: Ping) -> None:
+    return None
+"""
+
+
+@pytest.mark.parametrize("form", ["console script", "python -m worker"])
+def test_both_forms_import_handlers_from_the_project_folder(form: str, tmp_path: Path) -> None:
+    """``worker run`` (the console script pip installs) and ``python -m worker run`` find
+    ``WORKER_HANDLERS=shop.orders`` in the folder they are started in, as ``python -m`` does;
+    the console script used to fail with "No module named 'shop'"."""
+    root = tmp_path / "myproject"
+    (root / "shop").mkdir(parents=True)
+    (root / "shop" / "__init__.py").write_text("")
+    (root / "shop" / "orders.py").write_text(SHOP)
+    launcher = (
+        console_script(tmp_path) if form == "console script" else [sys.executable, "-m", "worker"]
+    )
+    env = json_env(
+        {
+            "PYTHONPATH": str(REPO),  # where an installed worker would be; not the project
+            "WORKER_HANDLERS": "shop.orders",
+            "WORKER_DATABASE_URL": f"sqlite+aiosqlite:///{root / 'worker.db'}",
+        }
+    )
+    migrated = run_cli(env, "migrate", cwd=root, launcher=launcher)
+    assert migrated.returncode == 0, migrated.stderr
+    log = tmp_path / "run.log"
+    with log.open("w") as output:
+        worker = subprocess.Popen(
+            [*launcher, "run"], env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=output
+        )
+    try:
+        deadline = time.monotonic() + 60  # a loaded machine imports slowly
+        while '"pump started"' not in log.read_text():
+            assert worker.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "the worker never started"
+            time.sleep(0.1)
+        assert '"Ping"' in log.read_text()  # the started pump serves shop's handler
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(30) == 0, log.read_text()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        worker.wait(10)
 
 
 def test_demo_shows_the_naive_handler_wrong_and_the_worker_exact(tmp_path: Path) -> None:

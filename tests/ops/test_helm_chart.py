@@ -258,6 +258,17 @@ def test_the_migration_runs_as_a_hook_before_install_and_upgrade() -> None:
     assert gate["args"][:2] == ["migrate", "--wait"] and gate["image"] == migrate["image"]
 
 
+def test_the_migration_migrates_the_applications_the_pods_serve() -> None:
+    """``worker migrate`` runs the histories of the applications WORKER_HANDLERS names: the
+    hook (without the ConfigMap) must name the same ones as the pods, or the pods' gate would
+    wait for tables the Job never created."""
+    docs = helm_render(values(config={"WORKER_HANDLERS": "billing.handlers,shop.orders"}))
+    [migrate] = one(docs, "Job")["spec"]["template"]["spec"]["containers"]
+    [handlers] = [e for e in migrate["env"] if e["name"] == "WORKER_HANDLERS"]
+    assert handlers["value"] == "billing.handlers,shop.orders"
+    assert one(docs, "ConfigMap")["data"]["WORKER_HANDLERS"] == handlers["value"]
+
+
 def test_the_migration_may_read_a_direct_database_url_for_pgbouncer_setups() -> None:
     docs = helm_render(values(secrets={"existingSecret": "s", "migrationDatabaseUrlKey": "DIRECT"}))
     [migrate] = one(docs, "Job")["spec"]["template"]["spec"]["containers"]

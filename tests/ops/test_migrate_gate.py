@@ -27,7 +27,9 @@ from tests.ops.deploy_helpers import (
     namespace_init,
     throwaway_database,
 )
+from tests.support.migrations import migrate_with_the_example
 from tests.support.processes import REPO, json_lines, run_cli, worker_cli
+from worker.histories import VERSION_TABLE
 from worker.migrate import heads, upgrade
 
 pytestmark = [pytest.mark.postgres]
@@ -62,12 +64,12 @@ def test_check_fails_on_an_empty_or_old_schema_and_passes_at_head(database: str)
 
 def test_check_accepts_a_schema_a_newer_release_migrated(database: str) -> None:
     """A rollback to the previous image must not lock it out: migrations only expand."""
-    upgrade(database)
+    migrate_with_the_example(database)
 
     async def pretend_newer() -> None:
         connection = await asyncpg.connect(dsn(database))
         try:
-            await connection.execute("UPDATE alembic_version SET version_num = '9999_future'")
+            await connection.execute(f"UPDATE {VERSION_TABLE} SET version_num = '9999_future'")
         finally:
             await connection.close()
 
@@ -113,7 +115,7 @@ def test_wait_returns_once_another_process_migrated(database: str, tmp_path: Pat
     # polls saw it; a poll during the migration may also see a revision it passed through
     # (each commits on its own), once
     statuses = [line["status"] for line in waits]
-    assert statuses[0].startswith("schema behind: database at none"), statuses
+    assert statuses[0].startswith("schema behind: worker: database at none"), statuses
     assert len(statuses) == len(set(statuses)), statuses
 
 
@@ -143,7 +145,7 @@ def test_wait_waits_through_a_database_that_does_not_exist_yet() -> None:
 
         asyncio.run(admin(f'CREATE DATABASE "{missing}"'))
         try:
-            upgrade(url)
+            migrate_with_the_example(url)
             assert waiter.wait(20) == 0
         finally:
             if waiter.poll() is None:

@@ -18,6 +18,7 @@ import pytest
 from tests.ops.deploy_helpers import cli_env, dsn, throwaway_database
 from tests.support.processes import REPO, arun_cli, run_cli, worker_cli
 from tests.support.waiting import wait_for
+from worker.histories import VERSION_TABLE
 from worker.migrate import heads, upgrade
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
@@ -51,7 +52,7 @@ def spawn(database: str, *args: str) -> subprocess.Popen[str]:
 
 
 async def schema(connection: asyncpg.Connection) -> dict[str, Any]:
-    versions = await connection.fetch("SELECT version_num FROM alembic_version")
+    versions = await connection.fetch(f"SELECT version_num FROM {VERSION_TABLE}")
     index = await connection.fetchval(
         "SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
         "WHERE c.relname = 'ix_inbox_processed_at'"

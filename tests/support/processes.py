@@ -15,7 +15,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping
+import tomllib
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -47,18 +48,43 @@ def worker_cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "worker.cli", *args]
 
 
+# What pip writes for a console script (pip's own template): Python then puts the script's
+# bin directory first on sys.path, where ``python -m`` puts the working directory.
+_CONSOLE_SCRIPT = """\
+# -*- coding: utf-8 -*-
+import re
+import sys
+from {module} import {function}
+if __name__ == '__main__':
+    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])
+    sys.exit({function}())
+"""
+
+
+def console_script(directory: Path) -> list[str]:
+    """The ``worker`` command as ``pip install`` makes it (pyproject's entry point), written
+    into ``directory``: the launcher for :func:`run_cli` that imports the way it does."""
+    entry = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]["worker"]
+    module, function = entry.split(":")
+    script = directory / "worker"
+    script.write_text(_CONSOLE_SCRIPT.format(module=module, function=function))
+    return [sys.executable, str(script)]
+
+
 def run_cli(
     env: Mapping[str, str],
     *args: str,
     stdin: str | None = None,
     timeout: float = 60,
     cwd: Path | None = REPO,
+    launcher: Sequence[str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``worker <args>`` in ``env`` (the whole environment: see :func:`clean_env` and
     :func:`json_env`) to completion, bounded, output captured; in the repository unless
-    ``cwd`` says where (None: this process's directory). The suite's only CLI runner."""
+    ``cwd`` says where (None: this process's directory); started as ``python -m worker.cli``
+    unless ``launcher`` says how (:func:`console_script`). The suite's only CLI runner."""
     return subprocess.run(
-        worker_cli(*args),
+        [*launcher, *args] if launcher else worker_cli(*args),
         env=dict(env),
         cwd=cwd,
         input=stdin,

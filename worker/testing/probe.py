@@ -38,6 +38,7 @@ from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.sql import visitors
 
+from worker import histories
 from worker.context import Context
 from worker.db import create_engine, discard, session_factory
 from worker.registry import Runs
@@ -55,16 +56,7 @@ if TYPE_CHECKING:
     from worker.verdict import Verdict
     from worker.work import Stage
 
-WORKER_TABLES = frozenset(
-    {
-        "inbox",
-        "outbox",
-        "rejections",
-        "delivery_counts",
-        "consumer_offsets",
-        "alembic_version",
-    }
-)
+WORKER_TABLES = histories.WORKER_TABLES | {histories.VERSION_TABLE, histories.LEGACY_VERSION_TABLE}
 """The worker's own tables: never a handler's business table."""
 
 _WRITE = frozenset({"INSERT", "UPDATE", "DELETE", "REPLACE", "MERGE", "UPSERT"})

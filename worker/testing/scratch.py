@@ -30,6 +30,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker.db import Base, create_engine, redact
 from worker.errors import ConfigurationError
+from worker.histories import is_version_table
 from worker.migrate import upgrade
 
 
@@ -143,12 +144,9 @@ async def _empty(engine: AsyncEngine) -> None:
     each other in an order the DELETEs break are truncated together instead."""
     async with engine.connect() as connection:
         rows = await connection.execute(
-            text(
-                "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() "
-                "AND tablename <> 'alembic_version'"
-            )
+            text("SELECT tablename FROM pg_tables WHERE schemaname = current_schema()")
         )
-        names = sorted(rows.scalars())
+        names = sorted(name for name in rows.scalars() if not is_version_table(name))
         await connection.commit()
         try:
             for name in names:

@@ -1,0 +1,14 @@
+"""Databases migrated as a deployment of the example application migrates them."""
+
+from __future__ import annotations
+
+from worker.histories import application_histories
+from worker.migrate import upgrade
+
+
+def migrate_with_the_example(url: str) -> None:
+    """The worker's tables, then the example application's (``accounts``, ``products``):
+    what ``worker migrate`` does with the default WORKER_HANDLERS=handlers. Many tests run
+    the shipped handlers. The history is found without importing ``handlers``, so no test
+    process registers the shipped handlers by accident. Blocking."""
+    upgrade(url, applications=application_histories(["handlers"]))
