@@ -21,9 +21,10 @@ import uuid
 from sqlalchemy import text
 
 from handlers.credit import CreditRequested, apply_credit
+from tests.support.migrations import migrate_with_the_example
+from worker import logs
 from worker.brokers.memory import MemoryBroker
 from worker.db import create_engine
-from worker.migrate import upgrade
 from worker.pump import Pump
 from worker.registry import Registry
 from worker.settings import Settings
@@ -57,6 +58,7 @@ async def run_once(url: str, messages: int, counts: str, redelivered: bool) -> f
 
 
 async def main(messages: int, runs: int, database: str | None) -> None:
+    logs.configure("WARNING")
     url = database
     created = None
     if url is None:
@@ -67,7 +69,7 @@ async def main(messages: int, runs: int, database: str | None) -> None:
             await connection.execute(text(f'CREATE DATABASE "{created}"'))
         await admin.dispose()
         url = ADMIN.rsplit("/", 1)[0] + f"/{created}"
-        await asyncio.to_thread(upgrade, url)
+        await asyncio.to_thread(migrate_with_the_example, url)
     rows = [
         ("first delivery, counts=database", "database", False),
         ("first delivery, counts=broker", "broker", False),

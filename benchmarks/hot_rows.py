@@ -56,12 +56,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from benchmarks.hot_rows_handlers import MESSAGE_TYPE
 from benchmarks.rabbitmq_vs_handwritten import admin_sql, cleanup, fill, handwritten_run, messages
 from tests.rabbitmq.rabbit_helpers import all_depths, rabbit_env, unsettled
+from tests.support.migrations import migrate_with_the_example
 from tests.support.processes import REPO, WorkerProcess
 from tests.support.rabbitmq import HOST, guest_url, rabbitmqctl
 from worker.brokers.rabbitmq import RabbitMQSettings
 from worker.db import create_engine
 from worker.errors import BrokerUnavailable
-from worker.migrate import upgrade
 from worker.settings import Settings
 
 AMOUNT = Decimal("1.25")  # what rabbitmq_vs_handwritten.messages() credits each time
@@ -488,7 +488,7 @@ async def main(args: argparse.Namespace) -> int:
     results: Results = {shape: {row: [] for row in rows} for shape in shapes}
     await admin_sql(args.postgres, f'CREATE DATABASE "{name}"')
     try:
-        await asyncio.to_thread(upgrade, args.database_url)
+        await asyncio.to_thread(migrate_with_the_example, args.database_url)
         # one connection for the whole benchmark, opened before any worker starts:
         # polling must not compete with the workers for a shared server's last slots
         db = create_engine(args.database_url, pool_size=1, max_overflow=0)

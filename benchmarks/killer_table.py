@@ -30,10 +30,10 @@ from benchmarks.rabbitmq_vs_handwritten import admin_sql
 from tests.rabbitmq.rabbit_helpers import publish, rabbit_env, take_dead_letters, unsettled
 from tests.support.credits import credit
 from tests.support.database import scalar
+from tests.support.migrations import migrate_with_the_example
 from tests.support.processes import Fleet
 from tests.support.rabbitmq import guest_url
 from worker.brokers.rabbitmq import RabbitMQSettings
-from worker.migrate import upgrade
 
 ADMIN = "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
 APPLIED = "SELECT count(*) FROM inbox WHERE message_id LIKE 'ok-%'"
@@ -75,7 +75,7 @@ async def run(mode: Mode, vhost: str, valid: int, max_deliveries: int) -> Outcom
         url=guest_url(vhost), queue=queue, exchange=queue, retry_delays=[0.2, 1.0]
     )
     try:
-        await asyncio.to_thread(upgrade, url)
+        await asyncio.to_thread(migrate_with_the_example, url)
         with tempfile.TemporaryDirectory() as folder:
             deaths_file = Path(folder) / "deaths"
             env = rabbit_env(

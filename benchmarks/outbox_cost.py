@@ -31,12 +31,12 @@ from typing import Any
 from sqlalchemy import event
 
 from handlers.credit import CreditRequested, apply_credit
+from tests.support.migrations import migrate_with_the_example
 from worker import logs
 from worker.brokers.memory import MemoryBroker, MemoryPublisher
 from worker.brokers.publishers import Outgoing, Publisher
 from worker.brokers.rabbitmq import RabbitMQPublisher, RabbitMQSettings
 from worker.db import create_engine
-from worker.migrate import upgrade
 from worker.outbox import model as outbox
 from worker.outbox.relay import Relay
 from worker.pump import Pump
@@ -153,7 +153,7 @@ async def main(
         rows = []
         for label in ("without events", "one event each"):
             url = database_url or f"sqlite+aiosqlite:///{Path(tmp) / (label[:3] + '.db')}"
-            await asyncio.to_thread(upgrade, url)
+            await asyncio.to_thread(migrate_with_the_example, url)
             await _empty(url)
             publisher: Publisher | None = None
             cleanup = None

@@ -29,10 +29,10 @@ from sqlalchemy import text
 from benchmarks.rabbitmq_vs_handwritten import CREDIT, MARK, admin_sql
 from benchmarks.throughput_handlers import credit_atomic
 from handlers.credit import CreditRequested, apply_credit
+from tests.support.migrations import migrate_with_the_example
 from worker import logs
 from worker.brokers.memory import MemoryBroker
 from worker.db import create_engine
-from worker.migrate import upgrade
 from worker.pump import Pump
 from worker.registry import Registry
 from worker.settings import Settings
@@ -118,7 +118,7 @@ async def main(args: argparse.Namespace) -> None:
     cpu: dict[str, list[float]] = {k: [] for k in runners}
     await admin_sql(args.postgres, f'CREATE DATABASE "{name}"')
     try:
-        await asyncio.to_thread(upgrade, url)
+        await asyncio.to_thread(migrate_with_the_example, url)
         for _ in range(args.rounds):
             for label, runner in runners.items():
                 await reset(url, args.accounts)

@@ -36,6 +36,7 @@ import asyncpg  # type: ignore[import-untyped]
 from sqlalchemy import text
 
 from handlers.credit import CreditRequested, apply_credit
+from tests.support.migrations import migrate_with_the_example
 from worker import logs
 from worker.brokers import OutgoingMessage
 from worker.brokers.rabbitmq import (
@@ -47,7 +48,6 @@ from worker.brokers.rabbitmq import (
     make_identity,
 )
 from worker.db import create_engine
-from worker.migrate import upgrade
 from worker.pump import Pump
 from worker.registry import Context, Registry
 from worker.settings import Settings
@@ -202,7 +202,7 @@ async def main() -> None:
     }
     results: dict[str, list[float]] = {label: [] for label in runners}
     try:
-        await asyncio.to_thread(upgrade, url)
+        await asyncio.to_thread(migrate_with_the_example, url)
         for run in range(args.runs):
             for label, runner in runners.items():
                 batch = messages(args.messages, args.accounts, hash((run, label)))

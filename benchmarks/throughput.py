@@ -70,13 +70,13 @@ from benchmarks.hot_rows import DISTURBANCES, patiently, prepare, throwaway_vhos
 from benchmarks.rabbitmq_vs_handwritten import CREDIT, MARK, admin_sql, cleanup, fill
 from benchmarks.throughput_handlers import MESSAGE_TYPE
 from tests.rabbitmq.rabbit_helpers import all_depths, rabbit_env
+from tests.support.migrations import migrate_with_the_example
 from tests.support.processes import REPO, WorkerProcess, free_port
 from tests.support.rabbitmq import guest_url
 from worker.brokers import OutgoingMessage
 from worker.brokers.rabbitmq import RabbitMQSettings
 from worker.db import create_engine
 from worker.errors import BrokerUnavailable
-from worker.migrate import upgrade
 
 AMOUNT = Decimal("1.25")
 SCENARIOS = (0.0, 0.3)  # share of deliveries that repeat an earlier message id
@@ -591,7 +591,7 @@ async def main(args: argparse.Namespace) -> int:
     await admin_sql(args.postgres, f'CREATE DATABASE "{name}"')
     failed = False
     try:
-        await asyncio.to_thread(upgrade, args.database_url)
+        await asyncio.to_thread(migrate_with_the_example, args.database_url)
         db = create_engine(args.database_url, pool_size=1, max_overflow=0)
         try:
             async with throwaway_vhost() as vhost:
