@@ -112,7 +112,6 @@ async def test_two_batch_pumps_apply_every_credit_once(
     assert all(verb == "ack" for verb, _, _ in broker.history)
 
 
-
 async def test_a_deferred_message_takes_its_twin_along(
     engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
