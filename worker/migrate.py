@@ -145,6 +145,7 @@ def migrate_command(
     """``worker migrate [--check | --wait]``: 0 once the schema is usable by this code."""
     from worker.db import redact
     from worker.logs import get_logger
+    from worker.startup import database_refuses, reason
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_on_signal)
@@ -165,9 +166,12 @@ def migrate_command(
         try:
             found = status(database_url)
             line = found.describe()
-        except Exception as exc:  # unreachable, refused, no such database: not yet
+        except Exception as exc:  # unreachable: not yet
+            if database_refuses(exc):  # a refused login, no such database: the CLI's one line
+                raise
             if check:
-                log.error("schema unknown: database unavailable", error=exc)
+                cause = exc.orig if isinstance(exc, DBAPIError) and exc.orig else exc
+                log.error("schema unknown: database unavailable", error=reason(cause))
                 return 1
             found, line = None, f"database unavailable: {type(exc).__name__}"
         if found is not None and found.usable:

@@ -210,6 +210,14 @@ class Settings(BaseSettings):
     def _supported_database(cls, value: str) -> str:
         if not value.startswith(("sqlite+aiosqlite://", "postgresql+asyncpg://")):
             raise ValueError("must start with sqlite+aiosqlite:// or postgresql+asyncpg://")
+        from sqlalchemy.engine import make_url
+
+        try:  # a port that is not a number: a configuration error, not a traceback at connect
+            port = make_url(value).port
+        except ValueError:
+            port = -1
+        if port is not None and not 0 <= port <= 65535:
+            raise ValueError("the port is not a number between 0 and 65535")
         return value
 
     @field_validator("log_level", mode="before")

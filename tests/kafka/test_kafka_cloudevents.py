@@ -9,6 +9,7 @@ from decimal import Decimal
 import pytest
 
 from tests.kafka.kafka_helpers import committed_is, produce
+from tests.rabbitmq.rabbit_helpers import declare
 from tests.support.credits import credit_registry
 from tests.support.database import balances, fetch
 from tests.support.pumps import MakeSettings, engine_for, running_pump
@@ -48,6 +49,7 @@ async def test_a_cloudevent_bridged_through_both_brokers_is_applied_once(
 
     # through RabbitMQ: aio-pika stamps a random message_id, the CloudEvents pair wins
     rabbit = rabbit_settings()
+    await declare(rabbit)  # as a worker's start would
     admin = RabbitMQAdmin(rabbit, make_identity(rabbit))
     try:
         headers = {"ce-id": event_id, "ce-source": source, "ce-type": "CreditRequested"}
