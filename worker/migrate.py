@@ -167,8 +167,8 @@ def migrate_command(
             found = status(database_url)
             line = found.describe()
         except Exception as exc:  # unreachable: not yet
-            if database_refuses(exc):  # a refused login, no such database: the CLI's one line
-                raise
+            if check and database_refuses(exc):  # a refused login, no database: one line
+                raise  # (the gate's --wait waits on: the database may be created meanwhile)
             if check:
                 cause = exc.orig if isinstance(exc, DBAPIError) and exc.orig else exc
                 log.error("schema unknown: database unavailable", error=reason(cause))
