@@ -140,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch p
         if args.command == "purge-inbox":
             from worker.retention import purge_command
 
+            refuse_transaction_pooling(settings, "worker purge-inbox holds a session lock")
             return asyncio.run(purge_command(settings))
         if args.command == "check":
             from worker.testing.command import check_command
@@ -174,6 +175,9 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch p
 
 def _migrate(settings: Settings, args: argparse.Namespace) -> int:
     from worker.migrate import migrate_command
+
+    if not args.check and not args.wait:  # the gate only reads: fine behind any pooler
+        refuse_transaction_pooling(settings, "worker migrate holds a session lock")
 
     return migrate_command(
         settings.database_url,
@@ -646,6 +650,21 @@ def _quiet_libraries(settings: Settings) -> None:
 _NETWORK_BROKERS = ("rabbitmq", "kafka", "servicebus")
 
 
+def refuse_transaction_pooling(settings: Settings, why: str) -> None:
+    """A session advisory lock behind a transaction-pooling proxy is released on whichever
+    server connection the unlock reaches: the lock stays held, and the next taker waits
+    or skips for good. Such work needs a direct (or session-pooled) URL."""
+    from sqlalchemy.engine import make_url
+
+    from worker.db import POOLER
+
+    if make_url(settings.database_url).query.get(POOLER) == "transaction":
+        raise ConfigurationError(
+            f"WORKER_DATABASE_URL has {POOLER}=transaction, but {why} across transactions: "
+            "give it a direct or session-pooled URL (docs/operations.md, PgBouncer)"
+        )
+
+
 def refuse_pod_local_database(settings: Settings) -> None:
     """An SQLite file with a networked broker: every replica would keep its own inbox.
 
@@ -706,6 +725,10 @@ class _Signals:
 
 async def _serve(settings: Settings) -> int:
     refuse_pod_local_database(settings)
+    if settings.purge_interval > 0:
+        refuse_transaction_pooling(
+            settings, "the inbox purge (WORKER_PURGE_INTERVAL=0 turns it off here) holds a lock"
+        )
     signals = _Signals()
     try:
         return await _run(settings, signals)
