@@ -31,13 +31,23 @@ from worker.brokers.rabbitmq import (
     RabbitMQAdmin,
     RabbitMQConsumer,
     RabbitMQSettings,
+    declare_topology,
     delete_topology,
     make_identity,
 )
 from worker.delivery import Delivery
 
 
+async def _declare(settings: RabbitMQSettings) -> None:
+    connection = await aio_pika.connect(settings.url)
+    try:
+        await declare_topology(await connection.channel(), settings)
+    finally:
+        await connection.close()
+
+
 async def measure(settings: RabbitMQSettings, messages: int) -> dict[str, Any]:
+    await _declare(settings)  # `worker publish` declares nothing: a worker's start does
     admin = RabbitMQAdmin(settings, make_identity(settings))
     body = b'{"account_id": "a", "amount": "1"}'
     await admin.publish([OutgoingMessage(f"m{n}", "T", body) for n in range(messages)])

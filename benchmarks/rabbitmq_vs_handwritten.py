@@ -78,7 +78,16 @@ def messages(count: int, accounts: int, run: int) -> list[OutgoingMessage]:
     ]
 
 
+async def _declare(settings: RabbitMQSettings) -> None:
+    connection = await aio_pika.connect(settings.url)
+    try:
+        await declare_topology(await connection.channel(), settings)
+    finally:
+        await connection.close()
+
+
 async def fill(settings: RabbitMQSettings, batch: list[OutgoingMessage]) -> None:
+    await _declare(settings)  # `worker publish` declares nothing: a worker's start does
     admin = RabbitMQAdmin(settings, make_identity(settings))
     try:
         await admin.publish(batch)

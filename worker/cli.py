@@ -18,6 +18,7 @@ import signal
 import sys
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,7 @@ from worker.brokers import (
     OutgoingMessage,
     open_admin,
 )
-from worker.errors import BrokerUnavailable, ConfigurationError, MigrationFailed
+from worker.errors import BrokerUnavailable, ConfigurationError, MigrationFailed, PublishStopped
 from worker.settings import Settings, check_environment, load
 
 if TYPE_CHECKING:
@@ -69,7 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch p
     gate.add_argument("--wait", action="store_true", help="wait until at head (exit 0)")
     migrate.add_argument("--timeout", type=float, default=600.0, help="--wait: give up after")
     migrate.add_argument(
-        "--lock-timeout", type=float, default=5.0, help="seconds a DDL waits for its lock"
+        "--lock-timeout",
+        type=_positive_seconds,
+        default=5.0,
+        help="seconds a DDL waits for its lock (more than 0)",
     )
     migrate.add_argument(
         "--worker-only",
@@ -89,6 +93,12 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch p
         "publish", help='send JSON lines {"id", "type", "body", "headers"?} to the work queue'
     )
     publish.add_argument("file", nargs="?", default="-", help="JSON lines file; - for stdin")
+    publish.add_argument(
+        "--allow-missing-ids",
+        action="store_true",
+        help='send lines without "id" (the broker or its client invents one: a re-run '
+        "sends them again as new messages)",
+    )
     _dlq_arguments(
         commands.add_parser(
             "dlq",
@@ -99,14 +109,14 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch p
     )
     sweep = commands.add_parser("sweep", help="list side-effect claims left past their lease")
     sweep.add_argument("--redrive", action="store_true", help="finish them from the stored body")
-    sweep.add_argument("--limit", type=int, default=100, help="at most this many")
+    sweep.add_argument("--limit", type=_positive, default=100, help="at most this many")
     sweep.add_argument("--abandoned", action="store_true", help="list abandoned claims instead")
     commands.add_parser("purge-inbox", help="delete finished markers older than the retention")
     relay = commands.add_parser("relay", help="send committed outbox rows to WORKER_BROKER")
     relay.add_argument("--once", action="store_true", help="send what is due, then exit")
     outbox = commands.add_parser("outbox", help="list pending and parked outbox rows")
     outbox.add_argument("--retry", action="store_true", help="re-queue the parked rows")
-    outbox.add_argument("--limit", type=int, default=100, help="at most this many")
+    outbox.add_argument("--limit", type=_positive, default=100, help="at most this many")
     check = commands.add_parser(
         "check", help="prove handlers idempotent on sample messages (docs/testing.md)"
     )
@@ -128,7 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch p
             return _revision(settings, args)
         if args.command == "publish":
             _quiet_libraries(settings)
-            return asyncio.run(_publish(settings, _read_input(args.file)))
+            lines = _read_input(args.file, allow_missing_ids=args.allow_missing_ids)
+            return asyncio.run(_publish(settings, lines))
         if args.command == "dlq":
             _quiet_libraries(settings)
             return asyncio.run(_dlq_command(settings, args))
@@ -144,6 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch p
         if args.command == "purge-inbox":
             from worker.retention import purge_command
 
+            refuse_transaction_pooling(settings, "worker purge-inbox holds a session lock")
             return asyncio.run(purge_command(settings))
         if args.command == "check":
             from worker.testing.command import check_command
@@ -159,6 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch p
 
         logs.configure("ERROR", settings.log_format)  # the demo's output is its table
         return asyncio.run(run_demo(messages=args.messages))
+    except PublishStopped as exc:
+        print(f"worker: publish stopped: {logs.scrub(str(exc))}", file=sys.stderr)
+        return 2 if exc.configuration else 1
     except ConfigurationError as exc:
         print(f"worker: configuration error: {exc}", file=sys.stderr)
         return 2
@@ -208,6 +223,8 @@ def _applications(settings: Settings) -> tuple[list[History], list[str]]:
 def _migrate(settings: Settings, args: argparse.Namespace) -> int:
     from worker.migrate import migrate_command
 
+    if not args.check and not args.wait:  # the gate only reads: fine behind any pooler
+        refuse_transaction_pooling(settings, "worker migrate holds a session lock")
     applications, tables = ([], []) if args.worker_only else _applications(settings)
     return migrate_command(
         settings.database_url,
@@ -257,44 +274,94 @@ def _revision(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-def read_messages(lines: Iterable[str]) -> list[OutgoingMessage]:
-    """Parse ``worker publish`` input; a bad line stops everything before anything is sent."""
-    messages = []
+class PublishInput:
+    """``worker publish`` input, checked whole before anything is sent: the messages and the
+    input line each came from."""
+
+    __slots__ = ("lines", "messages")
+
+    def __init__(self) -> None:
+        self.messages: list[OutgoingMessage] = []
+        self.lines: list[int] = []
+
+
+def read_messages(lines: Iterable[str], *, allow_missing_ids: bool = False) -> PublishInput:
+    """Parse ``worker publish`` input; a bad line stops everything before anything is sent.
+
+    A line without ``"id"`` is refused unless ``allow_missing_ids``: the broker (or its
+    client) would invent an id, and a re-run after a partial failure would apply it twice.
+    """
+    parsed = PublishInput()
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             item = json.loads(line)
+            message_id, kind, headers = item.get("id"), item["type"], item.get("headers") or {}
             body = item["body"]
-            raw = body.encode() if isinstance(body, str) else json.dumps(body).encode()
-            messages.append(
-                OutgoingMessage(item.get("id"), item["type"], raw, item.get("headers") or {})
-            )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ConfigurationError(
                 f"publish input line {number}: {type(exc).__name__}: {exc}"
             ) from None
-    return messages
+        problem = _publish_problem(message_id, kind, headers, allow_missing_ids)
+        if problem:
+            raise ConfigurationError(f"publish input line {number}: {problem}; nothing was sent")
+        raw = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+        parsed.messages.append(OutgoingMessage(message_id, kind, raw, headers))
+        parsed.lines.append(number)
+    return parsed
 
 
-def _read_input(path: str) -> list[OutgoingMessage]:
+def _publish_problem(message_id: Any, kind: Any, headers: Any, allow_missing_ids: bool) -> str:
+    if message_id is None and not allow_missing_ids:
+        return 'no "id" (a re-run would send it again as a new message; --allow-missing-ids)'
+    if message_id is not None and (not isinstance(message_id, str) or not message_id):
+        return '"id" must be a non-empty string'
+    if not isinstance(kind, str) or not kind:
+        return '"type" must be a non-empty string'
+    if not isinstance(headers, dict):
+        return '"headers" must be an object'
+    return ""
+
+
+def _read_input(path: str, *, allow_missing_ids: bool) -> PublishInput:
     if path == "-":
-        return read_messages(sys.stdin)
+        return read_messages(sys.stdin, allow_missing_ids=allow_missing_ids)
     try:
         with open(path, encoding="utf-8") as handle:
-            return read_messages(handle)
+            return read_messages(handle, allow_missing_ids=allow_missing_ids)
     except OSError as exc:
         raise ConfigurationError(f"publish input {path!r}: {exc.strerror or exc}") from None
 
 
-async def _publish(settings: Settings, messages: list[OutgoingMessage]) -> int:
+async def _publish(settings: Settings, parsed: PublishInput) -> int:
     admin = open_admin(settings)
     try:
-        sent = await admin.publish(messages)
+        sent = await admin.publish(parsed.messages)
+    except PublishStopped as exc:
+        lines = [parsed.lines[index] for index in exc.confirmed]
+        rest = len(parsed.messages) - len(lines)
+        raise PublishStopped(
+            f"{exc}; confirmed {len(lines)} of {len(parsed.messages)} messages: input lines "
+            f"{line_ranges(lines) or 'none'} went out, the {rest} others may not have",
+            exc.confirmed,
+            configuration=exc.configuration,
+        ) from None
     finally:
         await admin.close()
     print(f"published {sent} messages", file=sys.stderr)
     return 0
+
+
+def line_ranges(numbers: Sequence[int]) -> str:
+    """``1-35,37``: sorted line numbers as ranges."""
+    ranges: list[str] = []
+    for number in sorted(numbers):
+        if ranges and ranges[-1].rsplit("-", 1)[-1] == str(number - 1):
+            ranges[-1] = f"{ranges[-1].split('-')[0]}-{number}"
+        else:
+            ranges.append(str(number))
+    return ",".join(ranges)
 
 
 # -- worker dlq ------------------------------------------------------------------
@@ -348,6 +415,11 @@ def _dlq_arguments(dlq: argparse.ArgumentParser) -> None:
     dlq.add_argument("--resubmit", action="store_true", help="move them back to the work queue")
     dlq.add_argument("--dry-run", action="store_true", help="with --resubmit: show, move nothing")
     dlq.add_argument(
+        "--include-no-id",
+        action="store_true",
+        help="with --resubmit: move dead letters without a message id too (left out by default)",
+    )
+    dlq.add_argument(
         "--limit", type=_positive, default=100, help="list or move at most this many (100)"
     )
     dlq.add_argument(
@@ -356,9 +428,22 @@ def _dlq_arguments(dlq: argparse.ArgumentParser) -> None:
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a number of seconds") from None
+    if not value > 0 or value == float("inf"):  # 0 would turn the lock timeout off
+        raise argparse.ArgumentTypeError(f"{text!r}: must be more than 0 seconds")
     return value
 
 
@@ -385,11 +470,14 @@ async def _dlq_command(settings: Settings, args: argparse.Namespace) -> int:
         raise ConfigurationError("worker dlq: --dry-run goes with --resubmit")
     if args.group_by and args.resubmit:
         raise ConfigurationError("worker dlq: --group-by lists; it does not go with --resubmit")
+    if args.include_no_id and not args.resubmit:
+        raise ConfigurationError("worker dlq: --include-no-id goes with --resubmit")
     match = DeadLetterFilter(
         types=frozenset(args.type),
         reason=args.reason or None,
         since=args.since,
         ids=frozenset(args.id),
+        with_id=args.resubmit and not args.include_no_id,
     )
     return await _dlq(
         settings,
@@ -416,25 +504,56 @@ async def _dlq(
 ) -> int:
     admin = open_admin(settings)
     selected = "" if match is None or match.everything else "matching "
+    left_out = 0
     try:
+        if resubmit and match is not None and match.with_id:
+            # dead letters without a message id stay: re-submitted, each would be applied
+            # under an id the broker invented for it, and again after every re-submission
+            without = replace(match, with_id=False)
+            left_out = sum(
+                letter.message_id is None
+                for letter in await admin.dead_letters(scan, without, scan=scan)
+            )
         if resubmit and not dry_run:
             moved = await admin.resubmit(limit, match, scan=scan)
             more = f" (--limit {limit} reached: run again for more)" if moved >= limit else ""
             print(f"re-submitted {moved} {selected}dead letters{more}", file=sys.stderr)
+            _say_left_out(left_out)
             return 0
-        # a group counts every match the scan finds; a listing shows the first ``limit``
-        letters = await admin.dead_letters(scan if group_by else limit, match, scan=scan)
+        # a group and a dry run count every match the scan finds; the rest show ``limit``
+        wanted = scan if group_by or dry_run else limit
+        letters = await admin.dead_letters(wanted, match, scan=scan)
     finally:
         await admin.close()
+    matched = len(letters)
+    if dry_run:
+        letters = letters[:limit]
     if group_by:
         _print_groups(letters, group_by, as_json=as_json)
     else:
         _print_letters(letters, as_json=as_json)
     if dry_run:
-        print(f"would re-submit {len(letters)} {selected}dead letters", file=sys.stderr)
+        cut = (
+            f" of {matched} {selected}dead letters found (--limit {limit} cut the rest: "
+            "raise it, or run again after this one)"
+            if matched > len(letters)
+            else f" {selected}dead letters"
+        )
+        scanned = f" in the first {scan} looked at (--scan)" if matched >= scan else ""
+        print(f"would re-submit {len(letters)}{cut}{scanned}", file=sys.stderr)
+        _say_left_out(left_out)
     elif not as_json and not letters:
         print(f"no {selected}dead letters", file=sys.stderr)
     return 0
+
+
+def _say_left_out(count: int) -> None:
+    if count:
+        print(
+            f"left out {count} dead letters without a message id (--include-no-id moves them; "
+            "each would be applied under an id the broker invented)",
+            file=sys.stderr,
+        )
 
 
 def _letter_json(letter: DeadLetterInfo) -> dict[str, Any]:
@@ -464,7 +583,7 @@ def _print_letters(letters: list[DeadLetterInfo], *, as_json: bool) -> None:
     rows = [
         (
             _when(letter.dead_lettered_at),
-            letter.message_id or "-",
+            letter.message_id or "(no id)",
             letter.type or "-",
             reason_group(logs.scrub(letter.reason)),
         )
@@ -619,6 +738,21 @@ def _quiet_libraries(settings: Settings) -> None:
 _NETWORK_BROKERS = ("rabbitmq", "kafka", "servicebus")
 
 
+def refuse_transaction_pooling(settings: Settings, why: str) -> None:
+    """A session advisory lock behind a transaction-pooling proxy is released on whichever
+    server connection the unlock reaches: the lock stays held, and the next taker waits
+    or skips for good. Such work needs a direct (or session-pooled) URL."""
+    from sqlalchemy.engine import make_url
+
+    from worker.db import POOLER
+
+    if make_url(settings.database_url).query.get(POOLER) == "transaction":
+        raise ConfigurationError(
+            f"WORKER_DATABASE_URL has {POOLER}=transaction, but {why} across transactions: "
+            "give it a direct or session-pooled URL (docs/operations.md, PgBouncer)"
+        )
+
+
 def refuse_pod_local_database(settings: Settings) -> None:
     """An SQLite file with a networked broker: every replica would keep its own inbox.
 
@@ -679,6 +813,10 @@ class _Signals:
 
 async def _serve(settings: Settings) -> int:
     refuse_pod_local_database(settings)
+    if settings.purge_interval > 0:
+        refuse_transaction_pooling(
+            settings, "the inbox purge (WORKER_PURGE_INTERVAL=0 turns it off here) holds a lock"
+        )
     signals = _Signals()
     try:
         return await _run(settings, signals)

@@ -174,20 +174,50 @@ class PumpSession(AsyncSession):
         raise TransactionOwnedByPump("handlers must not close the pump's session")
 
 
+POOLER = "pooler"
+"""``?pooler=transaction`` on a PostgreSQL URL: a transaction-pooling proxy (PgBouncer's
+``pool_mode = transaction``, pgcat, RDS Proxy) stands between the worker and the server."""
+
+
+def _unnamed() -> str:
+    return ""  # asyncpg: an unnamed statement, replaced by the next one, never left behind
+
+
 def create_engine(url: str, *, pool_size: int = 5, max_overflow: int | None = None) -> AsyncEngine:
     """An async engine; SQLite files get WAL mode and a generous busy timeout.
 
     ``max_overflow`` (default: ``pool_size``): connections opened beyond the pool
     under load. ``pool_size + max_overflow`` is what one process may hold on the
     server, the figure the connection budget in deploy/README.md multiplies.
+
+    ``?pooler=transaction`` on a PostgreSQL URL: behind a transaction-pooling proxy each
+    transaction may run on another server connection, so asyncpg's named, cached
+    prepared statements would meet connections that never saw them ("does not exist")
+    or saw another client's of the same name ("already exists"). Statements are then
+    unnamed and uncached: parsed again for each execution, never left on a server.
     """
     if url.startswith("sqlite"):
         engine = create_async_engine(url, pool_size=pool_size, connect_args={"timeout": 30})
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
     else:
+        parsed = make_url(url)
+        pooler = parsed.query.get(POOLER)
+        if pooler not in (None, "transaction", "session"):
+            raise ValueError(f"{POOLER}={pooler!r}: must be transaction or session")
+        options: dict[str, Any] = {}
+        if pooler == "transaction":
+            options["connect_args"] = {
+                "statement_cache_size": 0,  # asyncpg's own cache of named statements
+                "prepared_statement_cache_size": 0,  # SQLAlchemy's
+                "prepared_statement_name_func": _unnamed,
+            }
         overflow = pool_size if max_overflow is None else max_overflow
         engine = create_async_engine(
-            url, pool_size=pool_size, max_overflow=overflow, pool_pre_ping=False
+            parsed.difference_update_query([POOLER]),
+            pool_size=pool_size,
+            max_overflow=overflow,
+            pool_pre_ping=False,
+            **options,
         )
     sync_engine = engine.sync_engine
     event.listen(sync_engine, "commit", _refuse_connection_commit)

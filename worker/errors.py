@@ -34,6 +34,17 @@ class BrokerUnavailable(WorkerError):
     """The broker connection is down; the adapter is reconnecting."""
 
 
+class PublishStopped(WorkerError):
+    """``worker publish`` stopped part way: ``confirmed`` are the indexes (in the input) of
+    the messages the broker confirmed; the others may or may not have gone out.
+    ``configuration``: a message the broker cannot route (a setting to fix)."""
+
+    def __init__(self, message: str, confirmed: list[int], *, configuration: bool = False) -> None:
+        super().__init__(message)
+        self.confirmed = confirmed
+        self.configuration = configuration
+
+
 class TransactionOwnedByPump(WorkerError):
     """A handler tried to commit, roll back or close the pump's session."""
 

@@ -41,6 +41,7 @@ from worker.db import create_engine, redact
 from worker.errors import ConfigurationError, MigrationFailed
 from worker.histories import LEGACY_VERSION_TABLE, MIGRATIONS, VERSION_TABLE, History
 from worker.logs import get_logger
+from worker.startup import database_refuses, reason
 
 ADVISORY_LOCK_KEY = 0x1D3_7E57  # any constant; the same one in every release
 LOCK_TIMEOUT = 5.0
@@ -405,9 +406,12 @@ def migrate_command(
         try:
             gate = status(database_url, applications, tables=tables)
             line = gate.describe()
-        except Exception as exc:  # unreachable, refused, no such database: not yet
+        except Exception as exc:  # unreachable: not yet
+            if check and database_refuses(exc):  # a refused login, no database: one line
+                raise  # (the gate's --wait waits on: the database may be created meanwhile)
             if check:
-                log.error("schema unknown: database unavailable", error=exc)
+                cause = exc.orig if isinstance(exc, DBAPIError) and exc.orig else exc
+                log.error("schema unknown: database unavailable", error=reason(cause))
                 return 1
             gate, line = None, f"database unavailable: {type(exc).__name__}"
         if gate is not None and gate.usable:

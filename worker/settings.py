@@ -210,6 +210,20 @@ class Settings(BaseSettings):
     def _supported_database(cls, value: str) -> str:
         if not value.startswith(("sqlite+aiosqlite://", "postgresql+asyncpg://")):
             raise ValueError("must start with sqlite+aiosqlite:// or postgresql+asyncpg://")
+        from sqlalchemy.engine import make_url
+
+        try:  # a port that is not a number: a configuration error, not a traceback at connect
+            url = make_url(value)
+            port = url.port
+        except ValueError:
+            raise ValueError("the port is not a number between 0 and 65535") from None
+        if port is not None and not 0 <= port <= 65535:
+            raise ValueError("the port is not a number between 0 and 65535")
+        pooler = url.query.get("pooler")  # worker.db.POOLER
+        if pooler is not None and (
+            pooler not in ("transaction", "session") or value[:6] != "postgr"
+        ):
+            raise ValueError("pooler= takes transaction or session, on a PostgreSQL URL")
         return value
 
     @field_validator("log_level", mode="before")

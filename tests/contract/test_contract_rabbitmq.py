@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from tests.contract.base import BATCH_MODE, BrokerContract, Harness
-from tests.rabbitmq.rabbit_helpers import all_depths
+from tests.rabbitmq.rabbit_helpers import all_depths, declare
 from worker.brokers import Broker, DeadLetterInfo, OutgoingMessage
 from worker.brokers.rabbitmq import RabbitMQAdmin, RabbitMQConsumer, RabbitMQSettings, make_identity
 from worker.settings import Settings
@@ -32,6 +32,7 @@ class RabbitMQHarness(Harness):
         return RabbitMQConsumer(self.rabbit, make_identity(self.rabbit, settings.message_id_func))
 
     async def publish(self, messages: list[OutgoingMessage]) -> None:
+        await declare(self.rabbit)  # what a worker's start declares (`worker publish` doesn't)
         await self.admin.publish(messages)
 
     async def dead_letters(self) -> list[DeadLetterInfo]:

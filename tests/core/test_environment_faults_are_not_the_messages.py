@@ -220,6 +220,42 @@ async def test_a_full_sqlite_file_pauses_instead_of_dead_lettering(
     assert all(count == 1 for _, _, count in broker.history)
 
 
+async def test_a_read_only_sqlite_file_pauses_instead_of_dead_lettering(
+    tmp_path: Path, sqlite_template: Path, make_settings: MakeSettings, run_pumps: RunPumps
+) -> None:
+    """SQLite's "attempt to write a readonly database" (PRAGMA query_only, as a file that
+    lost its write permission or a read-only mount): the environment's, so a pause until
+    the file takes writes again, never a counted failure."""
+    import shutil
+
+    path = tmp_path / "worker.db"
+    shutil.copy(sqlite_template, path)
+    url = f"sqlite+aiosqlite:///{path}"
+    read_only = {"on": True}
+
+    async with engine_for(url) as engine:
+
+        @event.listens_for(engine.sync_engine, "checkout")
+        def query_only(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
+            cursor = dbapi_connection.cursor()
+            cursor.execute(f"PRAGMA query_only = {int(read_only['on'])}")
+            cursor.close()
+
+        broker = MemoryBroker()
+        settings = make_settings(database_url=url, max_deliveries=2)
+        async with run_pumps([broker.connect()], [engine], credits(), settings) as [pump]:
+            for n in range(20):
+                broker.publish(f"m-{n}", "Credit", credit_body("a", "1"))
+            await wait_for(lambda: pump.health.outages >= 1, 20, "the pause")
+            await asyncio.sleep(1.0)  # several probes: still read-only, still paused
+            assert not pump.health.available
+            read_only["on"] = False  # writable again
+            await broker.wait_idle(timeout=60)
+        assert broker.dead_letters == []
+        assert await balance(engine, "a") == 20
+    assert all(count == 1 for _, _, count in broker.history)
+
+
 # -- a statement timeout in a lock wait is contention ------------------------------------------
 
 

@@ -9,13 +9,14 @@ from collections.abc import Awaitable, Callable
 from decimal import Decimal
 
 import confluent_kafka
-import pika  # type: ignore[import-untyped]
+import pika
 import pytest
 from cloudevents.core.bindings import kafka as ce_kafka
 from cloudevents.core.bindings import rabbitmq as ce_rabbitmq
 from cloudevents.core.v1.event import CloudEvent
 
 from tests.kafka.kafka_helpers import committed_is, produce
+from tests.rabbitmq.rabbit_helpers import declare
 from tests.support.credits import credit_registry
 from tests.support.database import balances, fetch
 from tests.support.pumps import MakeSettings, engine_for, running_pump
@@ -56,6 +57,7 @@ async def test_a_cloudevent_bridged_through_both_brokers_is_applied_once(
 
     # through RabbitMQ: aio-pika stamps a random message_id, the CloudEvents pair wins
     rabbit = rabbit_settings()
+    await declare(rabbit)  # as a worker's start would
     admin = RabbitMQAdmin(rabbit, make_identity(rabbit))
     try:
         headers = {"ce-id": event_id, "ce-source": source, "ce-type": "CreditRequested"}

@@ -197,3 +197,62 @@ def test_help_lists_every_command_in_plain_text() -> None:
     dlq = run_cli(clean_env(), "dlq", "--help")
     for option in ("--group-by", "--type", "--reason", "--since", "--id", "--dry-run", "--json"):
         assert option in dlq.stdout
+
+
+# -- settings and arguments that cannot work: one line, exit 2, no traceback ---------------
+
+
+@pytest.mark.parametrize(
+    "command", [("migrate",), ("migrate", "--check"), ("run",), ("sweep",), ("outbox",)]
+)
+def test_a_database_port_that_is_not_a_number_is_one_line(command: tuple[str, ...]) -> None:
+    """It was a traceback from SQLAlchemy's URL parser, at connect time."""
+    for port in ("5432x", "99999"):
+        url = f"postgresql+asyncpg://ledger:{SECRET}@127.0.0.1:{port}/ledger"
+        result = run_cli(database_env(url, Path(".")), *command)
+        one_line(result, "worker: configuration error: WORKER_DATABASE_URL", "port", code=2)
+
+
+@pytest.mark.parametrize("command", BROKER_COMMANDS)
+def test_a_broker_port_that_is_not_a_number_is_one_line(command: tuple[str, ...]) -> None:
+    result = run_cli(
+        rabbit_env(f"amqp://worker:{SECRET}@127.0.0.1:56x72/"), *command, stdin=PUBLISH_INPUT
+    )
+    one_line(result, "worker: configuration error: WORKER_RABBITMQ_URL", "port", code=2)
+
+
+@pytest.mark.postgres
+def test_migrate_check_calls_a_refused_login_refused_in_one_line(tmp_path: Path) -> None:
+    """It logged "database unavailable" with SQLAlchemy's background link after a \\n."""
+    require_service("127.0.0.1", 5432, "PostgreSQL")
+    role = f"nobody_{uuid.uuid4().hex[:6]}"
+    url = f"postgresql+asyncpg://{role}:{SECRET}@{PG_HOST}/postgres"
+    result = run_cli(database_env(url, tmp_path), "migrate", "--check")
+    line = one_line(result, "worker: database refused the login: ", f'role "{role}" does not exist')
+    assert "unavailable" not in line and "sqlalche.me" not in line and "\\n" not in line
+
+
+@pytest.mark.parametrize(
+    ("command", "complaint"),
+    [
+        (("sweep", "--limit", "-5"), "must be at least 1"),
+        (("sweep", "--redrive", "--limit", "0"), "must be at least 1"),
+        (("outbox", "--limit", "-1"), "must be at least 1"),
+        (("dlq", "--limit", "ten"), "not a whole number"),
+        (("migrate", "--lock-timeout", "0"), "must be more than 0 seconds"),  # 0 turned it off
+        (("migrate", "--lock-timeout", "-2"), "must be more than 0 seconds"),
+    ],
+    ids=lambda value: " ".join(value) if isinstance(value, tuple) else "",
+)
+def test_an_argument_that_makes_no_sense_is_refused_before_anything_runs(
+    command: tuple[str, ...], complaint: str, tmp_path: Path
+) -> None:
+    """``sweep --limit -5`` was reported as a database error; ``migrate --lock-timeout 0``
+    turned the lock timeout off. The parser refuses both, naming the argument."""
+    database = tmp_path / "untouched.db"
+    result = run_cli(database_env(f"sqlite+aiosqlite:///{database}", tmp_path), *command)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    option = next(arg for arg in reversed(command) if arg.startswith("--"))
+    assert f"argument {option}" in result.stderr and complaint in result.stderr
+    assert not database.exists()  # nothing ran

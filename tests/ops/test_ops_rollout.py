@@ -21,13 +21,24 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
+from tests.rabbitmq.rabbit_helpers import declare
 from tests.support.processes import REPO, clean_env, free_port, json_lines, run_cli, worker_cli
 from tests.support.rabbitmq import guest_url, rabbitmqctl
+from worker.brokers.rabbitmq import RabbitMQSettings
 from worker.db import create_engine
 
 CONCURRENCY = 4
 HANDLER_SECONDS = 2.0
 GRACE_PERIOD = 10.0
+
+
+def declared(env: dict[str, str]) -> None:
+    """The queues a worker with ``env`` declares at its start."""
+    queue = env["WORKER_RABBITMQ_QUEUE"]
+    rabbit = RabbitMQSettings(
+        url=env["WORKER_RABBITMQ_URL"], queue=queue, exchange=env["WORKER_RABBITMQ_EXCHANGE"]
+    )
+    asyncio.run(declare(rabbit))
 
 
 def probe(port: int, path: str) -> tuple[int, dict[str, Any]] | None:
@@ -190,6 +201,7 @@ def test_sigterm_with_rabbitmq(database: str, rabbitmq_vhost: str) -> None:
         + "\n"
         for n in range(total)
     )
+    declared(env)  # as the worker's start would (`worker publish` declares nothing)
     published = run_cli(env, "publish", "-", stdin=lines)
     assert published.returncode == 0, published.stderr
 
@@ -267,6 +279,7 @@ def test_the_worst_case_shutdown_fits_the_pod_s_termination_grace(
         json.dumps({"id": f"worst-{n:03d}", "type": "Slow", "body": {"seconds": 600}}) + "\n"
         for n in range(total)
     )
+    declared(env)
     assert run_cli(env, "publish", "-", stdin=lines).returncode == 0
 
     code, seconds, events = stop_mid_work(env, port)

@@ -25,6 +25,7 @@ from worker.brokers.rabbitmq import (
     RabbitMQAdmin,
     RabbitMQConsumer,
     RabbitMQSettings,
+    declare_topology,
     make_identity,
 )
 from worker.pump import Pump
@@ -34,7 +35,18 @@ from worker.settings import Settings
 # -- messages --------------------------------------------------------------------
 
 
+async def declare(settings: RabbitMQSettings) -> None:
+    """Declare the worker's topology, as a worker's start does (the operator tools don't)."""
+    connection = await aio_pika.connect(settings.url)
+    try:
+        await declare_topology(await connection.channel(), settings)
+    finally:
+        await connection.close()
+
+
 async def publish(settings: RabbitMQSettings, messages: list[OutgoingMessage]) -> None:
+    """``worker publish``'s admin, into the topology a worker would have declared."""
+    await declare(settings)
     admin = RabbitMQAdmin(settings, make_identity(settings))
     try:
         await admin.publish(messages)

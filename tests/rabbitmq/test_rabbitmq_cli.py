@@ -17,8 +17,8 @@ import pytest
 from tests.rabbitmq.rabbit_helpers import (
     all_depths,
     credit_registry,
+    declare,
     depths,
-    publish,
     rabbit_env,
     running,
 )
@@ -43,6 +43,7 @@ async def test_publish_then_dlq_list_and_resubmit(
     ]
     source = tmp_path / "messages.jsonl"
     source.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    await declare(rabbit)  # a worker's start declares; `worker publish` declares nothing
     published = await arun_cli(env, "publish", str(source))
     assert published.returncode == 0, published.stderr
     assert "published 3 messages" in published.stderr
@@ -151,7 +152,7 @@ _TRIAGE = [  # id, type, reason, hours ago
 
 async def _dead_letter_all(rabbit: RabbitMQSettings) -> None:
     """Put the triage set into the dead-letter queue the way the worker does: through the DLX."""
-    await publish(rabbit, [])  # declares the topology
+    await declare(rabbit)  # what a worker declares at its start
     connection = await aio_pika.connect(rabbit.url)
     async with connection:
         channel = await connection.channel()

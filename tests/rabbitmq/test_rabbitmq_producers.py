@@ -15,7 +15,7 @@ from decimal import Decimal
 from typing import Any
 
 import aio_pika
-import pika  # type: ignore[import-untyped]
+import pika
 import pytest
 from cloudevents.core.bindings import rabbitmq as ce_rabbitmq
 from cloudevents.core.v1.event import CloudEvent

@@ -40,7 +40,7 @@ from worker.brokers.rabbitmq import (
     RabbitMQConsumer,
     RabbitMQSettings,
 )
-from worker.errors import ConfigurationError, Retry, SettlementLost
+from worker.errors import ConfigurationError, PublishStopped, Retry, SettlementLost
 from worker.registry import Context
 from worker.settings import Settings
 
@@ -268,7 +268,8 @@ async def test_publishing_a_type_no_binding_routes_fails_loudly(
     rabbit_settings: MakeRabbitSettings,
 ) -> None:
     rabbit = rabbit_settings(binding_keys=["Credit*"])  # topic keys match whole words only
-    with pytest.raises(ConfigurationError, match="reaches no queue"):
+    with pytest.raises(PublishStopped, match="reaches no queue") as stopped:
         await publish(rabbit, [credit("m1", "a", "1")])
+    assert stopped.value.configuration and stopped.value.confirmed == []
     await publish(rabbit_settings(binding_keys=["CreditRequested"]), [credit("m2", "a", "1")])
     assert (await depths(rabbit, rabbit.queue))[rabbit.queue] == 1

@@ -1,8 +1,11 @@
 """Settlements that cannot go the usual way, against the real RabbitMQ.
 
-- A copy that fails (returned as unroutable, refused by the confirm, never
-  confirmed) must not leave the original unacked on a live channel, where
-  nothing would ever redeliver it and it would hold a prefetch slot for good.
+- A copy that fails (returned as unroutable, refused by the confirm, never confirmed)
+  on a live channel: the original stays held while the copy is tried again with
+  backoff, and is parked in the longest delay queue once that has gone on for
+  ``WORKER_RABBITMQ_COPY_HOLD``. It was requeued at once, a hot loop (1,789 requeues
+  in 4 s), and under a ``delivery-limit`` policy RabbitMQ then dead-lettered the
+  message itself, at most once, into the queue that refused it: lost.
 - An immediate retry on a classic queue (no ``x-delivery-count`` there) must
   still count up to ``WORKER_MAX_DELIVERIES`` and reach the dead-letter queue.
 """
@@ -11,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from typing import Any
 
 import aio_pika
@@ -20,6 +23,8 @@ import pytest
 from tests.rabbitmq.rabbit_helpers import (
     all_depths,
     credit_registry,
+    dead_letter_reason,
+    depths,
     make_broker,
     publish,
     publish_raw,
@@ -31,7 +36,7 @@ from tests.support.rabbitmq import MakeRabbitSettings, arabbitmqctl, rabbitmqctl
 from tests.support.waiting import wait_for
 from worker.brokers.rabbitmq import DELIVERIES_HEADER, RabbitMQSettings
 from worker.delivery import Delivery
-from worker.errors import Retry, SettlementLost
+from worker.errors import Retry
 from worker.registry import Context
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.postgres]
@@ -51,27 +56,28 @@ def _retry_queues(rabbit: RabbitMQSettings) -> list[str]:
     return [rabbit.retry_queue(delay) for delay in rabbit.retry_delays]
 
 
-async def _refuse_publishes(rabbit: RabbitMQSettings, vhost: str) -> None:
-    """A policy that makes the retry queues nack every publish (a real confirm nack).
+async def _refuse_publishes(
+    rabbit: RabbitMQSettings, vhost: str, queues: list[str], name: str
+) -> None:
+    """A policy that makes ``queues`` nack every publish (a real confirm nack).
 
-    The delay queues are quorum queues, whose length limit is soft (a publish into an
-    empty queue is accepted even at ``max-length: 0``): one filler each makes it bite.
+    A quorum queue's length limit is soft (a publish into an empty queue is accepted
+    even at ``max-length: 0``): one filler each makes it bite. A classic one refuses at once.
     """
     await publish_raw(
         rabbit,
-        *(aio_pika.Message(b"filler", message_id="filler") for _ in rabbit.retry_delays),
-        routing_keys=_retry_queues(rabbit),
+        *(aio_pika.Message(b"filler", message_id="filler") for _ in queues),
+        routing_keys=queues,
     )
-    pattern = f"^{rabbit.queue}\\.delay\\."
+    pattern = "^(" + "|".join(q.replace(".", "\\.") for q in queues) + ")$"
     definition = json.dumps({"max-length": 0, "overflow": "reject-publish"})
-    name = f"{rabbit.queue}-refuse"
     await arabbitmqctl("set_policy", "-p", vhost, "--apply-to", "queues", name, pattern, definition)
 
     async def applied() -> bool:
         out = await arabbitmqctl("list_queues", "-q", "-p", vhost, "name", "policy")
         rows = [line.split() for line in out.splitlines()]
-        ours = [row for row in rows if row and row[0] in _retry_queues(rabbit)]
-        return len(ours) == len(rabbit.retry_delays) and all(row[-1] == name for row in ours)
+        ours = [row for row in rows if row and row[0] in queues]
+        return len(ours) == len(queues) and all(row[-1] == name for row in ours)
 
     await wait_for(applied, 15, "the reject-publish policy to apply")
 
@@ -85,6 +91,14 @@ def policies(rabbitmq_vhost: str) -> Iterator[list[str]]:
         rabbitmqctl("clear_policy", "-p", rabbitmq_vhost, name)
 
 
+async def _make_room(vhost: str, name: str, queues: list[str]) -> None:
+    """Raise the limit of the refusing policy. (Clearing it is not enough on RabbitMQ
+    3.10.8: a quorum queue stays in its reject-publish state.)"""
+    pattern = "^(" + "|".join(q.replace(".", "\\.") for q in queues) + ")$"
+    definition = json.dumps({"max-length": 1000, "overflow": "reject-publish"})
+    await arabbitmqctl("set_policy", "-p", vhost, "--apply-to", "queues", name, pattern, definition)
+
+
 async def _never_confirmed(*_: Any) -> None:
     await asyncio.Event().wait()  # a publisher confirm that never arrives
 
@@ -93,7 +107,7 @@ CASES = ["retry-queue-gone", "dead-letter-queue-gone", "confirm-refused", "confi
 
 
 @pytest.mark.parametrize("case", CASES)
-async def test_a_failed_copy_gives_the_original_back(
+async def test_a_failed_copy_holds_the_original_and_tries_again_with_backoff(
     case: str,
     rabbit_settings: MakeRabbitSettings,
     rabbitmq_vhost: str,
@@ -102,33 +116,92 @@ async def test_a_failed_copy_gives_the_original_back(
 ) -> None:
     rabbit = rabbit_settings(
         settle_timeout=0.5 if case == "confirm-timeout" else 5.0,
-        retry_delays=[60.0],  # the filler of the confirm-refused case must not expire
+        retry_delays=[60.0],  # nothing expires back during the test
     )
     broker = make_broker(rabbit)
     await broker.start(prefetch=1)  # one slot: a stuck original would block everything
     try:
         await publish(rabbit, [credit("m1", "a", "1")])
         delivery = await asyncio.wait_for(broker.receive(), 10)
-        settle: Callable[[Delivery], Awaitable[None]] = lambda d: d.nack()  # noqa: E731
+        settle: Callable[[Delivery], Coroutine[Any, Any, None]] = lambda d: d.nack()  # noqa: E731
+        target = rabbit.retry_queue(60.0)
         if case == "retry-queue-gone":  # an operator's cleanup: the copy comes back unroutable
-            await _delete_queues(rabbit, *_retry_queues(rabbit))
+            await _delete_queues(rabbit, target)
         elif case == "dead-letter-queue-gone":
             await _delete_queues(rabbit, rabbit.dead_letter_queue)
             settle = lambda d: d.dead_letter("failed 5 deliveries")  # noqa: E731
+            target = rabbit.dead_letter_queue
         elif case == "confirm-refused":
             policies.append(f"{rabbit.queue}-refuse")
-            await _refuse_publishes(rabbit, rabbitmq_vhost)
+            await _refuse_publishes(rabbit, rabbitmq_vhost, [target], policies[-1])
         else:
-            monkeypatch.setattr(broker, "_publish", _never_confirmed)
-        with pytest.raises(SettlementLost):
-            await asyncio.wait_for(settle(delivery), 10)
-        # the channel is healthy: only a basic.nack brings the original back
-        again = await asyncio.wait_for(broker.receive(), 5)
-        # quorum queue: the requeue counts as a delivery, so the pump can still give up
-        assert (again.message_id, again.delivery_count) == ("m1", 2)
-        await again.ack()
+            real = broker._publish
+            calls = {"n": 0}
+
+            async def late_then_real(*args: Any) -> None:
+                calls["n"] += 1
+                await (_never_confirmed(*args) if calls["n"] <= 2 else real(*args))
+
+            monkeypatch.setattr(broker, "_publish", late_then_real)
+        settling = asyncio.create_task(settle(delivery))
+        if case == "confirm-refused":
+            await asyncio.sleep(2.5)
+            assert not settling.done()  # held, not requeued
+            assert 1 <= broker.stats["copies_refused"] <= 5  # backoff, not a hot loop
+            await _make_room(rabbitmq_vhost, policies[-1], [target])
+        await asyncio.wait_for(settling, 40)  # the copy made it: no SettlementLost
+        assert broker.stats["copies_refused"] >= 1
+        assert broker.stats["requeued_after_failed_copy"] == 0
+        with pytest.raises(TimeoutError):  # the original was acked, never given back
+            await asyncio.wait_for(broker.receive(), 1)
     finally:
         await broker.close()
+    filler = 1 if case == "confirm-refused" else 0
+    assert (await depths(rabbit, target))[target] == 1 + filler
+    assert (await depths(rabbit, rabbit.queue))[rabbit.queue] == 0
+
+
+async def test_a_dead_letter_the_broker_keeps_refusing_is_parked_and_never_lost(
+    rabbit_settings: MakeRabbitSettings,
+    rabbitmq_vhost: str,
+    policies: list[str],
+    pg: str,
+) -> None:
+    """The dead-letter queue is full (reject-publish) and the work queue has a
+    delivery-limit policy of 1, as the docs recommend a backstop (RabbitMQ 4.x sets one
+    by default): a requeue would let the broker dead-letter the message itself into the
+    full queue. Held, then parked in the longest delay queue, it is never requeued, and
+    reaches the dead-letter queue once that has room again."""
+    rabbit = rabbit_settings(retry_delays=[0.5], copy_hold=1.0)
+    limit = f"{rabbit.queue}-limit"
+    await arabbitmqctl(
+        "set_policy", "-p", rabbitmq_vhost, "--apply-to", "queues", limit,
+        f"^{rabbit.queue}$", json.dumps({"delivery-limit": 1}),
+    )  # fmt: skip
+    policies.append(limit)
+    full = f"{rabbit.queue}-full"
+    await publish(rabbit, [])  # the topology, before the policy on its dead-letter queue
+    await _refuse_publishes(rabbit, rabbitmq_vhost, [rabbit.dead_letter_queue], full)
+    policies.append(full)
+    await take_dead_letters(rabbit)  # the filler: a classic queue refuses at once anyway
+
+    registry, _ = credit_registry()
+    async with running(rabbit, pg, registry, concurrency=2) as pump:
+        await publish(rabbit, [credit("u1", "a", "1", type="RefundRequested")])
+        await wait_for(lambda: pump.broker.stats["copies_parked"] >= 2, 20, "parked twice")
+        assert pump.broker.stats["requeued_after_failed_copy"] == 0
+        refused = pump.broker.stats["copies_refused"]
+        assert refused <= 4 * pump.broker.stats["copies_parked"] + 4  # backoff, no hot loop
+        await _make_room(rabbitmq_vhost, full, [rabbit.dead_letter_queue])
+
+        async def dead_lettered() -> bool:
+            return (await depths(rabbit, rabbit.dead_letter_queue))[rabbit.dead_letter_queue] > 0
+
+        await wait_for(dead_lettered, 20, "the dead letter, once there is room")
+    (letter,) = await take_dead_letters(rabbit)
+    assert letter.message_id == "u1"
+    assert "RefundRequested" in dead_letter_reason(letter)
+    assert set((await all_depths(rabbit)).values()) == {0}
 
 
 async def test_a_pump_with_one_slot_keeps_consuming_when_a_copy_fails(
@@ -143,16 +216,18 @@ async def test_a_pump_with_one_slot_keeps_consuming_when_a_copy_fails(
     registry, _ = credit_registry(fail_m1)
     async with running(rabbit, pg, registry, concurrency=1, max_deliveries=3) as pump:
         await _delete_queues(rabbit, *_retry_queues(rabbit))
-        # raw: `worker publish` would declare the retry queues again
+        # raw: the test helper's publish would declare the retry queues again
         body = b'{"account_id": "a", "amount": "1"}'
         await publish_raw(
             rabbit,
             *(aio_pika.Message(body, message_id=m, type="CreditRequested") for m in ("m1", "m2")),
         )
-        # every nack of m1 fails and requeues it; the quorum count still ends it
+        # m1's first nack is returned; the topology is declared again and the copy made
         await wait_for(lambda: pump.stats["committed"] == 1, 15, "m2, behind the failing m1")
         await wait_for(lambda: pump.stats["dead-letter"] == 1, 15, "m1 dead-lettered")
-    assert pump.stats["settlement-lost"] == 2
+    assert pump.stats["settlement-lost"] == 0
+    assert pump.broker.stats["copies_refused"] >= 1
+    assert pump.broker.stats["requeued_after_failed_copy"] == 0
     (letter,) = await take_dead_letters(rabbit)
     assert (letter.message_id, letter.headers[DELIVERIES_HEADER]) == ("m1", 3)
 

@@ -136,19 +136,22 @@ class DeadLetterFilter:
     A letter matches when every given criterion holds: its type is one of ``types``,
     ``reason`` is a substring of its reason (case-insensitive), it was dead-lettered
     at or after ``since`` (a letter whose time is unknown does not match), its
-    message id is one of ``ids``.
+    message id is one of ``ids``; with ``with_id``, it has a message id at all.
     """
 
     types: frozenset[str] = frozenset()
     reason: str | None = None
     since: datetime | None = None
     ids: frozenset[str] = frozenset()
+    with_id: bool = False
 
     @property
     def everything(self) -> bool:
         return not (self.types or self.reason or self.since or self.ids)
 
     def __call__(self, letter: DeadLetterInfo) -> bool:
+        if self.with_id and letter.message_id is None:
+            return False
         if self.types and letter.type not in self.types:
             return False
         if self.ids and letter.message_id not in self.ids:

@@ -1,7 +1,9 @@
 """``worker publish`` and ``worker dlq`` on RabbitMQ: the :class:`~worker.brokers.Admin`.
 
 Short-lived and separate from the consumer: an operator tool opens a plain connection,
-declares the topology (so it works before any worker ran), does its job and leaves.
+does its job and leaves. It declares nothing: a queue or exchange that does not exist
+(a typo in WORKER_RABBITMQ_QUEUE, say) is a one-line error, never a new queue bound to
+the shared exchange that would collect copies nobody reads.
 """
 
 from __future__ import annotations
@@ -9,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from urllib.parse import unquote, urlsplit
 
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage, AbstractQueue
-from aiormq.exceptions import DeliveryError
+from aiormq.exceptions import ChannelNotFoundEntity, DeliveryError
 
 from worker.brokers import (
     DEFAULT_SCAN,
@@ -35,9 +38,9 @@ from worker.brokers.rabbitmq.settings import (
     connect_args,
     start_failure,
 )
-from worker.brokers.rabbitmq.topology import declare_topology
-from worker.errors import BrokerUnavailable, ConfigurationError
+from worker.errors import BrokerUnavailable, ConfigurationError, PublishStopped
 from worker.logs import scrub
+from worker.startup import reason as error_reason
 
 _PUBLISH_BATCH = 256
 
@@ -58,16 +61,51 @@ class RabbitMQAdmin:
                     self.settings.url, **connect_args(self.settings)
                 )
                 self._channel = await self._connection.channel(on_return_raises=True)
-                await declare_topology(self._channel, self.settings)
             except CONNECTION_LOST as exc:
                 await self.close()
                 raise start_failure(self.settings, exc) from None
         return self._channel
 
+    async def _require(self, kind: str, name: str) -> None:
+        """Look for a queue or exchange (a passive declare, on a channel of its own, which
+        a missing one closes); declare nothing. Missing: a one-line configuration error."""
+        await self._open()
+        assert self._connection is not None
+        channel = None
+        try:
+            channel = await self._connection.channel()
+            if kind == "queue":
+                await channel.get_queue(name, ensure=True)
+            else:
+                await channel.get_exchange(name, ensure=True)
+        except ChannelNotFoundEntity:
+            vhost = unquote(urlsplit(self.settings.url).path[1:]) or "/"
+            variable = "EXCHANGE" if kind == "exchange" else "QUEUE"
+            value = self.settings.exchange if kind == "exchange" else self.settings.queue
+            raise ConfigurationError(
+                f"WORKER_RABBITMQ_{variable}={value!r}: {kind} {name!r} does not exist in "
+                f"virtual host {vhost!r}; nothing was declared (check the name: `worker run` "
+                "declares its queues when it starts)"
+            ) from None
+        except CONNECTION_LOST as exc:
+            raise BrokerUnavailable(f"looking for {kind} {name!r}: {error_reason(exc)}") from None
+        finally:
+            if channel is not None:
+                with contextlib.suppress(*CONNECTION_LOST):
+                    await channel.close()
+
     async def publish(self, messages: list[OutgoingMessage]) -> int:
-        """Publish to the exchange with the type as routing key, in confirmed batches."""
-        channel = await self._open()
+        """Publish to the exchange with the type as routing key, in confirmed batches.
+
+        Raises :class:`PublishStopped` naming which messages were confirmed when one is
+        refused (unroutable) or the connection goes.
+        """
         settings = self.settings
+        if settings.exchange:
+            await self._require("exchange", settings.exchange)
+        else:
+            await self._require("queue", settings.queue)
+        channel = await self._open()
         if settings.exchange:
             exchange = await channel.get_exchange(settings.exchange, ensure=False)
         else:
@@ -91,18 +129,27 @@ class RabbitMQAdmin:
                     f"(message {item.message_id!r}) reaches no queue"
                 ) from None
 
-        confirmed = 0
+        confirmed: list[int] = []
         for start in range(0, len(messages), _PUBLISH_BATCH):
             batch = messages[start : start + _PUBLISH_BATCH]
-            try:
-                await asyncio.gather(*(send(m) for m in batch))
-            except CONNECTION_LOST as exc:  # the connection went away (a broker restart, say)
-                raise BrokerUnavailable(
-                    f"publishing to {settings.exchange or settings.queue!r}: {scrub(str(exc))} "
-                    f"({confirmed} confirmed before)"
-                ) from None
-            confirmed += len(batch)
-        return confirmed
+            results = await asyncio.gather(*(send(m) for m in batch), return_exceptions=True)
+            failed = None
+            for offset, result in enumerate(results):
+                if result is None:
+                    confirmed.append(start + offset)
+                elif failed is None:
+                    failed = result
+            if isinstance(failed, ConfigurationError):
+                raise PublishStopped(str(failed), confirmed, configuration=True)
+            if isinstance(failed, CONNECTION_LOST):  # the connection went (a broker restart)
+                raise PublishStopped(
+                    f"publishing to {settings.exchange or settings.queue!r}: "
+                    f"{scrub(error_reason(failed))}",
+                    confirmed,
+                )
+            if isinstance(failed, BaseException):
+                raise failed
+        return len(confirmed)
 
     async def dead_letters(
         self, limit: int, match: DeadLetterFilter | None = None, *, scan: int = DEFAULT_SCAN
@@ -133,6 +180,7 @@ class RabbitMQAdmin:
         Each is taken unacked, copied (publisher-confirmed), then acked; the others
         stay unacked until the scan ends and return to their places, in order.
         """
+        await self._require("queue", self.settings.queue)
         channel = await self._open()
         moved = 0
         async with self._scanning() as dead:
@@ -146,13 +194,22 @@ class RabbitMQAdmin:
                     continue
                 resubmits = header_int((message.headers or {}).get("x-worker-resubmitted")) + 1
                 copy = copy_message(message, **{"x-worker-resubmitted": resubmits})
+                try:  # the dead letter is acked only once its copy is confirmed
+                    async with asyncio.timeout(self.settings.settle_timeout):
+                        await channel.default_exchange.publish(copy, self.settings.queue)
+                except CONNECTION_LOST as exc:  # returned, refused, unconfirmed in time
+                    raise BrokerUnavailable(
+                        f"re-submitting to {self.settings.queue!r}: {scrub(error_reason(exc))}; "
+                        f"{moved} moved before, the rest are still in "
+                        f"{self.settings.dead_letter_queue!r}"
+                    ) from None
                 try:
-                    await channel.default_exchange.publish(copy, self.settings.queue)
                     await message.ack()
                 except CONNECTION_LOST as exc:
                     raise BrokerUnavailable(
-                        f"re-submitting to {self.settings.queue!r}: {scrub(str(exc))} "
-                        f"({moved} moved before)"
+                        f"re-submitting to {self.settings.queue!r}: {scrub(error_reason(exc))} "
+                        f"after the copy of {message.message_id!r} was confirmed: it is in both "
+                        f"queues, and the inbox absorbs the second ({moved} moved before)"
                     ) from None
                 moved += 1
         return moved
@@ -160,7 +217,7 @@ class RabbitMQAdmin:
     @contextlib.asynccontextmanager
     async def _scanning(self) -> AsyncIterator[AbstractQueue]:
         """The dead-letter queue on a channel of its own: closing it gives back what was taken."""
-        await self._open()
+        await self._require("queue", self.settings.dead_letter_queue)
         assert self._connection is not None
         scan = None
         try:

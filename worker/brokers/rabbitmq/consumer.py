@@ -9,12 +9,18 @@ Verb mapping (every move is a confirmed copy before the original is released):
   single acks for the rest.
 - ``nack(delay, counted)``: publish a copy to the delay queue whose TTL fits the
   delay, or straight to ``Q`` for an immediate retry, carrying the delivery count
-  so far in ``x-worker-deliveries`` (one less when the message is not to blame),
-  wait for the publisher confirm, then ack the original.
+  so far in ``x-worker-deliveries`` (one less when the message is not to blame, and
+  then one more ``x-worker-give-backs``), wait for the publisher confirm, then ack
+  the original.
 - ``dead_letter(reason)``: publish a copy to ``Q.dlx`` with ``x-worker-reason`` (the
   exception type and message), wait for the confirm, then ack the original.
-- A copy that fails (returned, refused, unconfirmed in time) on a live channel:
-  ``basic.nack(requeue=True)`` on the original, then ``SettlementLost``.
+- A copy that fails (returned, refused, unconfirmed in time) on a live channel: the
+  original stays held and the copy is tried again with backoff (the topology declared
+  again first, in case a queue was deleted); after ``WORKER_RABBITMQ_COPY_HOLD`` it is
+  parked instead: a copy to the longest delay queue, then the ack. Never a requeue at
+  once, which would loop, and under a ``delivery-limit`` policy let the broker
+  dead-letter the message itself, at most once, into the queue that refused it.
+  Only while stopping is the original given back with ``basic.nack(requeue=True)``.
 
 Copy-then-ack is not atomic: a crash between the two leaves the original to be
 redelivered next to its copy, and the inbox absorbs whichever runs second.
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
@@ -42,9 +49,11 @@ from aio_pika.abc import (
 from worker.brokers import IdentityFunc
 from worker.brokers.rabbitmq.messages import (
     DELIVERIES_HEADER,
+    GIVE_BACKS_HEADER,
     REASON_HEADER,
     copy_message,
     delivery_count,
+    give_backs,
     message_contents,
     returned,
 )
@@ -54,7 +63,11 @@ from worker.brokers.rabbitmq.settings import (
     connect_args,
     start_failure,
 )
-from worker.brokers.rabbitmq.topology import declare_topology, drain_legacy_queues
+from worker.brokers.rabbitmq.topology import (
+    at_least_once_accepted,
+    declare_topology,
+    drain_legacy_queues,
+)
 from worker.db import redact
 from worker.delivery import Delivery
 from worker.errors import SettlementLost
@@ -62,17 +75,21 @@ from worker.logs import get_logger
 
 _MAX_REASON = 2000
 _LOST_EVENTS = {"ack": "acks_lost", "nack": "nacks_lost", "dead-letter": "dead_letters_lost"}
+_HOLD_FIRST_DELAY = 0.5  # seconds before a refused copy is tried again, doubling
+_HOLD_MAX_DELAY = 30.0
 
 
 class _Handle:
-    """The adapter's own handle on one delivery: the AMQP message, its count, and the
-    channel generation its delivery tag belongs to (a tag is void once that channel is)."""
+    """The adapter's own handle on one delivery: the AMQP message, its count and uncounted
+    give-backs, and the channel generation its delivery tag belongs to (a tag is void once
+    that channel is)."""
 
-    __slots__ = ("count", "generation", "message", "tag")
+    __slots__ = ("count", "generation", "give_backs", "message", "tag")
 
     def __init__(self, message: AbstractIncomingMessage, count: int, generation: int) -> None:
         self.message = message
         self.count = count
+        self.give_backs = give_backs(message)
         self.generation = generation
         self.tag = message.delivery_tag or 0
 
@@ -84,11 +101,14 @@ class RabbitMQConsumer:
     ``connection_lost`` / ``reconnected`` (the connection or the consuming channel
     closed under it, and came back), ``stale_deliveries_dropped`` (received on a lost
     channel: RabbitMQ requeued them with it), ``acks_lost`` / ``nacks_lost`` /
-    ``dead_letters_lost`` (settlements that raised SettlementLost),
-    ``requeued_after_failed_copy``, ``multiple_acks``, ``nacks_delayed`` (copies to a
-    retry queue), ``nacks_immediate`` (copies straight back to the work queue),
-    ``dead_lettered``, ``returned_unstarted`` (given back untaken at a stop),
-    ``legacy_messages_moved`` and ``message_id_func_failed``.
+    ``dead_letters_lost`` (settlements that raised SettlementLost), ``copies_refused``
+    (a copy the broker refused or left unconfirmed, on a live channel: tried again),
+    ``copies_parked`` (held for ``WORKER_RABBITMQ_COPY_HOLD``, then parked in the longest
+    delay queue), ``requeued_after_failed_copy`` (only while stopping),
+    ``multiple_acks``, ``nacks_delayed`` (copies to a retry queue), ``nacks_immediate``
+    (copies straight back to the work queue), ``dead_lettered``, ``returned_unstarted``
+    (given back untaken at a stop), ``legacy_messages_moved`` and
+    ``message_id_func_failed``.
     """
 
     name = "rabbitmq"
@@ -115,6 +135,7 @@ class RabbitMQConsumer:
         # with every delivery): a multiple-ack is safe only over a run of the lowest ones.
         # A tag leaves once its settling frame went out, never before.
         self._unsettled: dict[int, None] = {}
+        self._strict = True  # Q was declared at-least-once (False: an earlier version's Q)
 
     @property
     def ready(self) -> bool:
@@ -144,8 +165,16 @@ class RabbitMQConsumer:
                 publisher_confirms=True, on_return_raises=True
             )
             await channel.set_qos(prefetch_count=prefetch)
-            self._queue = await declare_topology(channel, settings)
-            drained = await drain_legacy_queues(connection, settings)
+            strict = await at_least_once_accepted(connection, settings)
+            if settings.queue_type == "quorum" and not strict:
+                self._log.warning(
+                    "work queue declared by an earlier version: the broker's own "
+                    "dead-lettering from it stays at most once (docs/rabbitmq.md, "
+                    "'Existing work queues')"
+                )
+            self._queue = await declare_topology(channel, settings, at_least_once=strict)
+            self._strict = strict
+            drained = await drain_legacy_queues(connection, settings, self._log)
             if drained:
                 self.stats["legacy_messages_moved"] += drained
                 self._log.info("moved messages out of legacy queues", messages=drained)
@@ -186,8 +215,7 @@ class RabbitMQConsumer:
         while not self._buffer.empty():  # taken from the queue, never started: not counted
             handle, _ = self._buffer.get_nowait()
             with contextlib.suppress(SettlementLost):
-                await self.nack(handle, 0.0, counted=False)
-                self.stats["returned_unstarted"] += 1
+                await self._return_unstarted(handle)
 
     async def close(self) -> None:
         self._consuming = False
@@ -205,8 +233,7 @@ class RabbitMQConsumer:
         self._unsettled[handle.tag] = None
         if not self._consuming:  # raced with basic.cancel: give it straight back, uncounted
             with contextlib.suppress(SettlementLost):
-                await self.nack(handle, 0.0, counted=False)
-                self.stats["returned_unstarted"] += 1
+                await self._return_unstarted(handle)
             return
         try:
             message_id = self.identity(message)
@@ -225,6 +252,7 @@ class RabbitMQConsumer:
             handle,
             suspect=returned(message),
             refusal=contents.refusal,
+            give_backs=handle.give_backs,
         )
         self._buffer.put_nowait((handle, delivery))
 
@@ -344,12 +372,26 @@ class RabbitMQConsumer:
         # the count (and keeps it where it is when the message is not to blame), works
         # the same on classic queues, and does not depend on whether a RabbitMQ version
         # counts nacks (4.3 reportedly stopped).
+        level = await self._give_back_copy(handle, delay, counted, handle.give_backs + 1)
+        self.stats["nacks_immediate" if level is None else "nacks_delayed"] += 1
+
+    async def _return_unstarted(self, handle: _Handle) -> None:
+        """Taken from the queue, never started: back at once, its give-backs as they were."""
+        await self._give_back_copy(handle, 0.0, False, handle.give_backs)
+        self.stats["nacks_immediate"] += 1
+        self.stats["returned_unstarted"] += 1
+
+    async def _give_back_copy(
+        self, handle: _Handle, delay: float | None, counted: bool, uncounted_give_backs: int
+    ) -> float | None:
         level = self.settings.retry_delay(handle.count, delay)
         target = self.settings.queue if level is None else self.settings.retry_queue(level)
-        carried = handle.count if counted else handle.count - 1
-        copy = copy_message(handle.message, **{DELIVERIES_HEADER: carried})
-        await self._copy_then_ack(handle, "nack", copy, "", target)
-        self.stats["nacks_immediate" if level is None else "nacks_delayed"] += 1
+        carried = {DELIVERIES_HEADER: handle.count if counted else handle.count - 1}
+        carried[GIVE_BACKS_HEADER] = handle.give_backs if counted else uncounted_give_backs
+        copy = copy_message(handle.message, **carried)
+        park = None if level == self._longest_delay else copy
+        await self._copy_then_ack(handle, "nack", copy, "", target, park)
+        return level
 
     async def dead_letter(self, handle: _Handle, reason: str) -> None:
         copy = copy_message(
@@ -361,10 +403,24 @@ class RabbitMQConsumer:
                 "x-worker-dead-lettered-at": datetime.now(UTC).isoformat(),
             },
         )
+        # Parked, it comes back counted: judged again, or past the delivery limit at once.
+        park = copy_message(
+            handle.message,
+            **{DELIVERIES_HEADER: handle.count, GIVE_BACKS_HEADER: handle.give_backs},
+        )
         await self._copy_then_ack(
-            handle, "dead-letter", copy, self.settings.dead_letter_exchange, self.settings.queue
+            handle,
+            "dead-letter",
+            copy,
+            self.settings.dead_letter_exchange,
+            self.settings.queue,
+            park,
         )
         self.stats["dead_lettered"] += 1
+
+    @property
+    def _longest_delay(self) -> float | None:
+        return self.settings.retry_delays[-1] if self.settings.retry_delays else None
 
     async def _copy_then_ack(
         self,
@@ -373,13 +429,110 @@ class RabbitMQConsumer:
         copy: aio_pika.Message,
         exchange: str,
         routing_key: str,
+        park: aio_pika.Message | None = None,
     ) -> None:
-        """Publish the copy (confirmed), then ack the original; each step bounded on its own."""
-        async with self._settling(handle, verb, give_back=True):
-            await self._publish(copy, exchange, routing_key)
+        """Publish the copy (confirmed), then ack the original; each step bounded on its own.
+
+        ``park``: what goes to the longest delay queue instead once the copy has been
+        refused for ``WORKER_RABBITMQ_COPY_HOLD`` (None: nothing to park in).
+        """
+        if not self._consuming:  # stopping: nothing to hold for, the original goes back
+            async with self._settling(handle, verb, give_back=True):
+                await self._publish(copy, exchange, routing_key)
+        else:
+            await self._copy_held(handle, verb, (copy, exchange, routing_key), park)
         async with self._settling(handle, verb):
             await handle.message.ack()
         self._settled(handle)
+
+    async def _copy_held(
+        self,
+        handle: _Handle,
+        verb: str,
+        publish: tuple[aio_pika.Message, str, str],
+        park: aio_pika.Message | None,
+    ) -> None:
+        """Publish a copy while the original stays held; a refusal on a live channel is tried
+        again with jittered backoff, and parked once WORKER_RABBITMQ_COPY_HOLD has passed.
+
+        RabbitMQ keeps a delivery held on a live channel for as long as it lives: the
+        message can be neither lost nor redelivered meanwhile, and it costs one slot.
+        """
+        held_since = time.monotonic()
+        delay = _HOLD_FIRST_DELAY
+        parked = False
+        while (error := await self._try_publish(handle, verb, *publish)) is not None:
+            self.stats["copies_refused"] += 1
+            if not self._consuming:  # the worker is stopping: give the original back now
+                self.stats[_LOST_EVENTS[verb]] += 1
+                requeued = await self._give_back(handle)
+                note = "; the original was requeued" if requeued else ""
+                raise SettlementLost(f"{verb} {handle.message.message_id!r}: {error!r}{note}")
+            held = time.monotonic() - held_since
+            if park is not None and not parked and held >= self.settings.copy_hold:
+                assert self._longest_delay is not None
+                publish = (park, "", self.settings.retry_queue(self._longest_delay))
+                parked = True
+                self._log.warning(
+                    "copy refused for too long, parking the message in the longest delay queue",
+                    message_id=handle.message.message_id,
+                    verb=verb,
+                    target=publish[2],
+                    held_s=round(held, 1),
+                    error=error,
+                )
+            elif delay == _HOLD_FIRST_DELAY:  # once per hold, not once per try
+                self._log.warning(
+                    "copy refused, holding the message and trying again",
+                    message_id=handle.message.message_id,
+                    verb=verb,
+                    target=publish[2],
+                    error=error,
+                )
+            await self._repair_topology()
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(delay * 2.0, _HOLD_MAX_DELAY)
+        if parked:
+            self.stats["copies_parked"] += 1
+
+    async def _try_publish(
+        self, handle: _Handle, verb: str, message: aio_pika.Message, exchange: str, key: str
+    ) -> BaseException | None:
+        """One confirmed publish: None, or why the broker refused it on a live channel.
+
+        Raises ``SettlementLost`` once the original's channel is gone: the broker then
+        requeues the original itself.
+        """
+        error: BaseException | None = None
+        if handle.generation == self._generation:
+            try:
+                async with asyncio.timeout(self.settings.settle_timeout):
+                    await self._publish(message, exchange, key)
+            except CONNECTION_LOST as exc:
+                error = exc
+            if error is None or (
+                handle.generation == self._generation
+                and self._connection is not None
+                and not self._connection.is_closed
+            ):
+                return error
+        self.stats[_LOST_EVENTS[verb]] += 1
+        raise SettlementLost(
+            f"{verb} {handle.message.message_id!r}: its connection was lost ({error!r})"
+        )
+
+    async def _repair_topology(self) -> None:
+        """Declare the topology again (a returned copy means a queue was deleted), on a
+        channel of its own; best effort, the next try says whether it helped."""
+        if self._connection is None or self._connection.is_closed:
+            return
+        with contextlib.suppress(*CONNECTION_LOST):
+            channel = await self._connection.channel()
+            try:
+                await declare_topology(channel, self.settings, at_least_once=self._strict)
+            finally:
+                with contextlib.suppress(*CONNECTION_LOST):
+                    await channel.close()
 
     async def _publish(self, message: aio_pika.Message, exchange: str, routing_key: str) -> None:
         assert self._publisher is not None

@@ -11,7 +11,11 @@ body (:func:`message_contents`), so its three parts come from one reading of one
 Delivery count = ``x-worker-deliveries`` (the worker's own count, carried across its
 copies; ignored on a dead letter moved back by an operator tool) + the quorum
 queue's ``x-delivery-count`` (returns inside the queue: crashed consumers, lost
-connections) + 1.
+connections) + 1. ``x-worker-give-backs`` carries the uncounted give-backs the same way.
+
+aiormq stamps a random ``message_id`` on every message published without one, copies
+included: a copy of a message that had none says so in ``x-worker-no-id``, and that
+invented id is never read as the message's.
 """
 
 from __future__ import annotations
@@ -33,7 +37,15 @@ if TYPE_CHECKING:
 
 DELIVERIES_HEADER = "x-worker-deliveries"
 REASON_HEADER = "x-worker-reason"
-WORKER_HEADERS = (DELIVERIES_HEADER, REASON_HEADER, "x-worker-queue", "x-worker-dead-lettered-at")
+GIVE_BACKS_HEADER = "x-worker-give-backs"
+NO_ID_HEADER = "x-worker-no-id"  # kept on every later copy: the message never had an id
+WORKER_HEADERS = (
+    DELIVERIES_HEADER,
+    REASON_HEADER,
+    GIVE_BACKS_HEADER,
+    "x-worker-queue",
+    "x-worker-dead-lettered-at",
+)
 _BROKER_HEADERS = (
     "x-delivery-count",
     "x-death",
@@ -91,11 +103,19 @@ def default_message_id(message: AbstractIncomingMessage) -> str | None:
     """
     event = structured_event(message)
     if event is not None:
-        return event.key or message.message_id or None
+        return event.key or _amqp_id(message)
     headers = message.headers or {}
     ce_id, ce_source = _cloud_event(headers, "id"), _cloud_event(headers, "source")
     if ce_id is not None and ce_source is not None:
         return event_key(ce_source, ce_id)
+    return _amqp_id(message)
+
+
+def _amqp_id(message: AbstractIncomingMessage) -> str | None:
+    """The AMQP ``message_id``; None on a worker's copy of a message that had none (the
+    copy's id is the one aiormq invented when it was published)."""
+    if NO_ID_HEADER in (message.headers or {}):
+        return None
     return message.message_id or None
 
 
@@ -129,6 +149,13 @@ def delivery_count(message: AbstractIncomingMessage) -> int:
     return before + inside + 1
 
 
+def give_backs(message: AbstractIncomingMessage) -> int:
+    """Uncounted give-backs so far, as the worker's own copies carried them (0 on a dead
+    letter moved back, which starts afresh like its count)."""
+    headers = message.headers or {}
+    return 0 if REASON_HEADER in headers else header_int(headers.get(GIVE_BACKS_HEADER))
+
+
 def returned(message: AbstractIncomingMessage) -> bool:
     """RabbitMQ took the message back from a consumer that never settled it (a process
     that died, a lost connection): the worker's own give-backs are fresh copies."""
@@ -160,6 +187,8 @@ def copy_message(message: AbstractIncomingMessage, **extra: Any) -> aio_pika.Mes
         for k, v in (message.headers or {}).items()
         if k not in _BROKER_HEADERS and k not in WORKER_HEADERS
     }
+    if not message.message_id:
+        headers[NO_ID_HEADER] = True
     headers.update(extra)
     return aio_pika.Message(
         message.body,

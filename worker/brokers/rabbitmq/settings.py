@@ -34,6 +34,14 @@ _DEFAULT_RETRY_DELAYS = (1.0, 5.0, 30.0, 120.0)
 CONNECTION_LOST = (AMQPError, OSError, RuntimeError, TimeoutError)
 
 
+def _port(url: str) -> None:
+    """A port that is not a number is a configuration error, not a traceback at connect."""
+    try:
+        _ = urlsplit(url).port
+    except ValueError:
+        raise ValueError("the port is not a number between 0 and 65535") from None
+
+
 class RabbitMQSettings(BaseSettings):
     """``WORKER_RABBITMQ_*``: where to connect and what to declare."""
 
@@ -52,6 +60,17 @@ class RabbitMQSettings(BaseSettings):
     reconnect_interval: float = Field(2.0, gt=0, description="Seconds between reconnects.")
     connect_timeout: float = Field(10.0, gt=0)
     settle_timeout: float = Field(15.0, gt=0, description="Bound on one ack/publish confirm.")
+    copy_hold: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds a delivery is held while the broker refuses its copy, retried "
+        "with backoff, before it is parked in the longest delay queue.",
+    )
+    management_url: str | None = Field(
+        None,
+        description="http(s):// of the management API: lists old retry queues of any delay "
+        "to drain at start. Credentials: its own, else the AMQP URL's.",
+    )
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
@@ -62,6 +81,16 @@ class RabbitMQSettings(BaseSettings):
     def _amqp_url(cls, value: str) -> str:
         if not value.startswith(("amqp://", "amqps://")):
             raise ValueError("must start with amqp:// or amqps://")
+        _port(value)
+        return value
+
+    @field_validator("management_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        if value is not None:
+            _port(value)
         return value
 
     @field_validator("retry_delays")
