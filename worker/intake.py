@@ -127,6 +127,7 @@ class Intake:
         self._running_ids: Counter[str] = Counter()  # message ids in the running work
         self._suspect: Work | None = None  # the suspect running alone
         self._seeds = 0  # deliveries waiting for their key before they join a bucket
+        self._arrivals = 0  # deliveries taken so far: each item's place in arrival order
         self._changed = asyncio.Event()
         self._turned_away: set[asyncio.Task[None]] = set()
         self._stopping = False
@@ -166,6 +167,12 @@ class Intake:
         waiting: list[Work] = []
         for lane in work.lanes:
             waiting.extend(self._lanes.pop(lane, ()))
+        if work.items[0].delivery.group is not None:
+            # Work parks behind the first busy lane it needs: what waited in different
+            # lanes of this work goes again in the order it arrived, so a group's work
+            # keeps its order. (Without groups, each key's lane is in order already, and
+            # a key's seeds going on together fill batches with that key.)
+            waiting.sort(key=_arrival)
         for item in again:
             self._admit(self._single(item, work.handlers))
         for parked in waiting:
@@ -231,6 +238,7 @@ class Intake:
     async def _take(self, delivery: Delivery) -> None:
         handlers = self._handlers(delivery)
         item, refused = self._prepare(delivery, handlers)
+        item.arrival = self._arrivals = self._arrivals + 1
         if refused is not None:
             item.verdict = refused
             self._ready.put_nowait(Work([item]))
@@ -394,8 +402,10 @@ class Intake:
             current = self._open.get(("group", group))
             if current is not None and current.type != message_type:
                 self._release(current)  # a partition's records run in offset order
-        if key_lane is not None and holder is None and key_lane in self._lanes:
-            # the key runs elsewhere now: wait behind it, then join a bucket
+        if key_lane is not None and holder is None and key_lane in self._lanes and group is None:
+            # The key runs elsewhere now: wait behind it, then join a bucket. (A delivery
+            # of a group joins its group's bucket at once, which then waits for the key:
+            # the group's later deliveries must not overtake it.)
             seed = Work([item], handlers, lanes=frozenset({key_lane}), seed=True)
             self._admit(seed, fresh=True)
             return
@@ -450,6 +460,10 @@ class Intake:
             return self._wait if self._seeds else None
         earliest = min(bucket.deadline for bucket in self._buckets.values())
         return max(0.0, earliest - time.monotonic())
+
+
+def _arrival(work: Work) -> int:
+    return work.items[0].arrival
 
 
 def _with_twins(items: list[Item]) -> Iterator[Item]:

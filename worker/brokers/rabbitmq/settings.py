@@ -161,4 +161,3 @@ def start_failure(settings: RabbitMQSettings, exc: BaseException) -> WorkerError
             "(it does not exist, or this user has no permission on it)"
         )
     return BrokerUnavailable(f"{url}: {scrub(reason(exc))}")
-
