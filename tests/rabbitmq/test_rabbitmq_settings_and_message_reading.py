@@ -15,8 +15,8 @@ import pytest
 from worker.brokers.rabbitmq import (
     RabbitMQConsumer,
     RabbitMQSettings,
-    _copy,
     content_hash_id,
+    copy_message,
     delivery_count,
     make_identity,
     message_type,
@@ -163,7 +163,7 @@ def test_copy_drops_broker_bookkeeping_and_stays_persistent() -> None:
         type="T",
         headers={"x-death": [{}], "x-delivery-count": 2, "x-worker-reason": "old", "trace": "t"},
     )
-    copy = _copy(raw, **{"x-worker-deliveries": 2})
+    copy = copy_message(raw, **{"x-worker-deliveries": 2})
     assert copy.headers == {"trace": "t", "x-worker-deliveries": 2}
     assert (copy.message_id, copy.type, copy.body) == ("m", "T", b"x")
     assert copy.delivery_mode == 2
