@@ -323,12 +323,24 @@ class RabbitMQConsumer:
         else:
             run = []
         covered = {id(h) for h in run}
-        for handle in handles:
-            if id(handle) not in covered:
-                try:
-                    await self.ack(handle)
-                except SettlementLost:
-                    lost.append(handle)
+        lost.extend(await self._ack_each([h for h in handles if id(h) not in covered]))
+        return lost
+
+    async def _ack_each(self, handles: Sequence[_Handle]) -> list[_Handle]:
+        """Single acks for what a multiple-ack could not cover, bounded together (one
+        timeout, not one per delivery); once the channel fails, the rest are lost too."""
+        live = [h for h in handles if h.generation == self._generation]
+        lost = [h for h in handles if h.generation != self._generation]
+        sent = 0
+        try:
+            async with asyncio.timeout(self.settings.settle_timeout):
+                for handle in live:
+                    await handle.message.ack()
+                    self._settled(handle)
+                    sent += 1
+        except CONNECTION_LOST:
+            lost.extend(live[sent:])
+        self.stats["acks_lost"] += len(lost)
         return lost
 
     def keep_alive(self, handle: _Handle, seconds: float) -> None:
