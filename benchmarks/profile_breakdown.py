@@ -23,10 +23,14 @@ from collections import Counter
 from pathlib import Path
 
 SETUP = re.compile(
-    r"benchmarks/pump_path.py:\d+\)$|^reset |^main |MemoryBroker.publish|worker/migrate.py"
-    r"|\(env.py|Thread._bootstrap|alembic/|admin_sql|Engine.dispose|asyncpg_run"
+    r"^(main|reset|pump_run|asyncpg_run) \(.*benchmarks/|MemoryBroker.publish|worker/migrate.py"
+    r"|\(env.py|alembic/|admin_sql|Engine.dispose|<frozen runpy>:189"
 )
-"""Frames of the benchmark's set-up, not of the pump (the whole sample is left out)."""
+"""Frames of the benchmark's set-up or the process's start (imports), not of the pump:
+the whole sample is left out."""
+
+IDLE = re.compile(r"\(selectors.py:|Condition.wait |Event.wait |socket.accept ")
+"""A stack ending in a wait: a thread sampled while it was blocked, not using the CPU."""
 
 GREENLET_ROOTS: list[tuple[str, str]] = [
     ("Session.get ", "handler: ORM read (session.get)"),
@@ -63,14 +67,15 @@ OWNERS: list[tuple[str, str]] = [
     ("aiokafka/", "Kafka client (aiokafka)"),
     ("worker/db.py", "session set-up and clean-up"),
     ("worker/pump.py", "pump loop"),
+    ("Thread._bootstrap", "ops endpoint thread (probes, metrics)"),
 ]
 """A frame naming one of these -> the stage it is part of (the deepest such frame wins)."""
 
 
 def categorize(frames: list[str]) -> str | None:
     """The stage a sample belongs to; None for the benchmark's own set-up."""
-    if not frames or any(SETUP.search(frame) for frame in frames):
-        return None  # the set-up, or a sample py-spy could not read
+    if not frames or IDLE.search(frames[-1]) or any(SETUP.search(frame) for frame in frames):
+        return None  # the set-up, waiting, or a sample py-spy could not read
     root = frames[0]
     for pattern, label in GREENLET_ROOTS:
         if pattern in root:

@@ -101,6 +101,7 @@ class Row:
     serve: str = ""  # a consumer of this module (--serve), or "" for `worker run`
     tree: str = ""  # --tree: `worker run` from another checkout (before/after, one run)
     writes: bool = True  # False: the transport's ceiling, nothing to check in the database
+    uvloop: bool = False  # `worker run` on uvloop's event loop (benchmarks/uvloop_worker.py)
 
     @property
     def message_type(self) -> str:
@@ -135,6 +136,9 @@ ROWS = (
     Row("worker batch 32, reference ORM, no key", BENCH, "reference", batch=32),
     SET_BASED,
     *(Row(f"  sweep: batch {n}, set-based", BENCH, "set-based", batch=n) for n in (8, 128)),
+    replace(SHIPPED, label="worker, shipped ORM handler (keyed), uvloop", uvloop=True),
+    replace(SHIPPED_BATCH, label="worker batch 32, shipped ORM handler, uvloop", uvloop=True),
+    replace(SET_BASED, label="worker batch 32, set-based handler, uvloop", uvloop=True),
     Row(
         "worker batch 64 at concurrency 64, shipped handler",
         batch=64,
@@ -203,12 +207,15 @@ def batch_mode_on_main() -> bool:
 
 
 class ServedProcess(WorkerProcess):
-    """A consumer of this module (``--serve <kind>``), or ``worker run`` from ``tree``."""
+    """A consumer of this module (``--serve <kind>``), ``worker run`` from ``tree``, or
+    ``worker run`` on uvloop (``kind`` "uvloop")."""
 
     def __init__(self, kind: str, env: dict[str, str], log_path: Path, tree: str = "") -> None:
         self.log_path = log_path
         self._log = log_path.open("wb")
         command = [sys.executable, "-m", "benchmarks.throughput", "--serve", kind]
+        if kind == "uvloop":
+            command = [sys.executable, "-m", "benchmarks.uvloop_worker", "run"]
         if tree:
             command, env = [sys.executable, "-m", "worker.cli", "run"], {**env, "PYTHONPATH": tree}
         self.process = subprocess.Popen(
@@ -241,6 +248,8 @@ def consumer_env(
 
 
 def spawn(row: Row, env: dict[str, str], path: Path) -> WorkerProcess:
+    if row.uvloop:
+        return ServedProcess("uvloop", env, path)
     if row.serve or row.tree:
         return ServedProcess(row.serve, env, path, row.tree)
     return WorkerProcess(env, path)
