@@ -71,12 +71,11 @@ is still there (hung work, which WORKER_HANDLER_TIMEOUT bounds) rather than halt
 class _Bucket:
     """Deliveries of one type and group filling one batch."""
 
-    __slots__ = ("by_id", "deadline", "group", "items", "lanes", "type")
+    __slots__ = ("by_id", "group", "items", "lanes", "type")
 
-    def __init__(self, message_type: str, group: Hashable, deadline: float) -> None:
+    def __init__(self, message_type: str, group: Hashable) -> None:
         self.type = message_type
         self.group = group
-        self.deadline = deadline
         self.items: list[Item] = []
         self.by_id: dict[str, Item] = {}
         self.lanes: set[Lane] = set()
@@ -126,7 +125,6 @@ class Intake:
         self._running: set[Work] = set()
         self._running_ids: Counter[str] = Counter()  # message ids in the running work
         self._suspect: Work | None = None  # the suspect running alone
-        self._seeds = 0  # deliveries waiting for their key before they join a bucket
         self._arrivals = 0  # deliveries taken so far: each item's place in arrival order
         self._changed = asyncio.Event()
         self._turned_away: set[asyncio.Task[None]] = set()
@@ -203,12 +201,8 @@ class Intake:
         """Receive until cancelled; the only caller of ``broker.receive``."""
         while not self._stopping:
             await self._health.wait_available()
-            self._release_ripe(time.monotonic())
-            try:
-                async with asyncio.timeout(self._next_deadline()):
-                    delivery = await self._broker.receive()
-            except TimeoutError:
-                continue
+            try:  # no timeout here: a bucket ripens on a timer of its own (_bucket)
+                delivery = await self._broker.receive()
             except Exception as exc:  # an adapter bug must not silently stop intake
                 self._log.error("receive failed", error=exc)
                 await asyncio.sleep(1.0)
@@ -357,11 +351,8 @@ class Intake:
             waiting.append(work)
             if fresh:
                 self._stats["parked"] += 1
-                self._seeds += work.seed
             return
         if work.seed:  # a delivery that waited for its key: now it joins a bucket
-            if not fresh:
-                self._seeds -= 1
             self._bucket(work.items[0], work.handlers)
             return
         for lane in work.lanes:
@@ -411,8 +402,11 @@ class Intake:
             return
         bucket = self._buckets.get((message_type, group))
         if bucket is None:
-            bucket = _Bucket(message_type, group, time.monotonic() + self._wait)
+            bucket = _Bucket(message_type, group)
             self._buckets[message_type, group] = bucket
+            # ripe after WORKER_BATCH_WAIT, whoever opened it (the reader, or a worker
+            # whose key a waiting delivery needed) and whatever the reader waits for
+            asyncio.get_running_loop().call_later(self._wait, self._release, bucket)
             if group is not None:
                 self._open["group", group] = bucket
         first = bucket.by_id.get(item.message_id)
@@ -447,19 +441,6 @@ class Intake:
         if handlers is None:
             handlers = self._registry.for_type(bucket.type)
         self._admit(Work(bucket.items, handlers, batch=True, lanes=frozenset(lanes)))
-
-    def _release_ripe(self, now: float) -> None:
-        for bucket in [b for b in self._buckets.values() if b.deadline <= now]:
-            self._release(bucket)
-
-    def _next_deadline(self) -> float | None:
-        """How long the reader may wait for a delivery. In batch mode never longer than a
-        bucket's wait: a worker may open a bucket meanwhile (a delivery that waited for
-        its key joins one when the key is free), and that bucket ripens on time too."""
-        if not self._buckets:
-            return self._wait if self._seeds else None
-        earliest = min(bucket.deadline for bucket in self._buckets.values())
-        return max(0.0, earliest - time.monotonic())
 
 
 def _arrival(work: Work) -> int:

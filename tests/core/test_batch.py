@@ -233,12 +233,12 @@ async def test_a_deferred_message_takes_its_twin_along(
 # -- one message's failure stays its own ------------------------------------------------
 
 
-def failing_registry(sessions: list[int]) -> Registry:
+def failing_registry(sessions: list[Any]) -> Registry:
     registry = Registry()
 
     @registry.handler("Credit", CreditRequested, consumer="credit")
     async def credit(ctx: Context, message: CreditRequested) -> None:
-        sessions.append(id(ctx.session))
+        sessions.append(ctx.session)  # kept alive: an id() could be reused
         await apply_credit(ctx, message)  # written first, so a rollback has something to undo
         account = message.account_id
         if account == "poison":
@@ -263,7 +263,7 @@ async def test_failures_inside_a_batch_stay_their_own(
     broker = MemoryBroker()
     for n, account in enumerate(["ok-1", "poison", "fails", "order", "ok-2"]):
         broker.publish(f"m-{account}", "Credit", body(account, f"{n + 1}.00"))
-    sessions: list[int] = []
+    sessions: list[Any] = []
     async with run_pumps([broker.connect()], [engine], failing_registry(sessions), settings) as [
         pump
     ]:
@@ -271,8 +271,10 @@ async def test_failures_inside_a_batch_stay_their_own(
     # A shared pass stops at a failure: the first at poison (judged on that failure, not
     # run again), the second at fails; then the other four ran in savepoints of one
     # transaction, each failure its own.
-    assert sessions[0] == sessions[1] != sessions[2] == sessions[3] != sessions[4]
-    assert len(set(sessions[4:8])) == 1
+    first, second, third = sessions[0], sessions[2], sessions[4]
+    assert sessions[1] is first and sessions[3] is second
+    assert first is not second and second is not third and third is not first
+    assert all(session is third for session in sessions[4:8])
     assert pump.stats["batch-isolated"] == 2
     assert await balances(engine) == {"ok-1": Decimal("1.00"), "ok-2": Decimal("5.00")}
     assert set(await marker_counts(engine)) == {"m-ok-1", "m-ok-2"}
@@ -335,12 +337,12 @@ async def test_a_savepoint_that_loses_a_deadlock_runs_again_on_its_own(
 
     engine = create_engine(postgres_only_url, pool_size=5)
     lost: set[str] = set()
-    sessions: dict[str, list[int]] = defaultdict(list)
+    sessions: dict[str, list[Any]] = defaultdict(list)
     registry = Registry()
 
     @registry.handler("Credit", CreditRequested, consumer="credit")
     async def credit(ctx: Context, message: CreditRequested) -> None:
-        sessions[ctx.message_id].append(id(ctx.session))
+        sessions[ctx.message_id].append(ctx.session)  # kept alive: ids could be reused
         await apply_credit(ctx, message)
         # m-2 loses in the shared pass (the batch goes round with savepoints) and in its
         # savepoint (it is deferred), then wins on its own
@@ -361,8 +363,9 @@ async def test_a_savepoint_that_loses_a_deadlock_runs_again_on_its_own(
             await broker.wait_idle(20)
         assert sorted(broker.history) == [("ack", f"m-{n}", 1) for n in range(4)]
         assert await balances(engine) == {f"acct-{n}": Decimal(1) for n in range(4)}
-        assert sessions["m-0"] == sessions["m-2"][:2]  # the shared pass, then savepoints
-        assert len(sessions["m-2"]) == 3  # and once more on its own
+        shared, savepoints, alone = sessions["m-2"]  # and once more on its own
+        assert sessions["m-0"] == [shared, savepoints] and shared is not savepoints
+        assert alone is not savepoints and alone is not shared
         assert pump.stats["batch-deferred"] == 1 and pump.stats["batch-fallback"] == 0
         assert pump.stats["batch-isolated"] == 1
     finally:
