@@ -26,9 +26,9 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 import aio_pika
 from aio_pika.abc import (
@@ -61,6 +61,7 @@ from worker.errors import SettlementLost
 from worker.logs import get_logger
 
 _MAX_REASON = 2000
+_Callback = Callable[[AbstractIncomingMessage], Awaitable[None]]
 _LOST_EVENTS = {"ack": "acks_lost", "nack": "nacks_lost", "dead-letter": "dead_letters_lost"}
 
 
@@ -115,6 +116,7 @@ class RabbitMQConsumer:
         # with every delivery): a multiple-ack is safe only over a run of the lowest ones.
         # A tag leaves once its settling frame went out, never before.
         self._unsettled: dict[int, None] = {}
+        self._returning: set[asyncio.Task[None]] = set()  # deliveries that raced the cancel
 
     @property
     def ready(self) -> bool:
@@ -155,7 +157,10 @@ class RabbitMQConsumer:
             connection.reconnect_callbacks.add(self._on_restored)
             # before basic.consume: the first deliveries may arrive before it returns
             self._connected = self._consuming = True
-            self._consumer_tag = await self._queue.consume(self._on_message, no_ack=False)
+            # aio-pika runs a plain callback without a task per delivery (its tools.create_task)
+            # though its annotation asks for an awaitable one
+            on_message = cast("_Callback", self._on_message)
+            self._consumer_tag = await self._queue.consume(on_message, no_ack=False)
         except CONNECTION_LOST as exc:
             await self.close()
             raise start_failure(settings, exc) from None
@@ -185,9 +190,8 @@ class RabbitMQConsumer:
             self._consumer_tag = None
         while not self._buffer.empty():  # taken from the queue, never started: not counted
             handle, _ = self._buffer.get_nowait()
-            with contextlib.suppress(SettlementLost):
-                await self.nack(handle, 0.0, counted=False)
-                self.stats["returned_unstarted"] += 1
+            await self._return_unstarted(handle)
+        await asyncio.gather(*self._returning, return_exceptions=True)
 
     async def close(self) -> None:
         self._consuming = False
@@ -199,14 +203,15 @@ class RabbitMQConsumer:
 
     # -- connection state (aio-pika callbacks) -------------------------------------
 
-    async def _on_message(self, message: AbstractIncomingMessage) -> None:
+    def _on_message(self, message: AbstractIncomingMessage) -> None:
+        # Not a coroutine: aio-pika then calls it without a task of its own per delivery.
         count = delivery_count(message)
         handle = _Handle(message, count, self._generation)
         self._unsettled[handle.tag] = None
         if not self._consuming:  # raced with basic.cancel: give it straight back, uncounted
-            with contextlib.suppress(SettlementLost):
-                await self.nack(handle, 0.0, counted=False)
-                self.stats["returned_unstarted"] += 1
+            task = asyncio.get_running_loop().create_task(self._return_unstarted(handle))
+            self._returning.add(task)
+            task.add_done_callback(self._returning.discard)
             return
         try:
             message_id = self.identity(message)
@@ -225,6 +230,11 @@ class RabbitMQConsumer:
             suspect=returned(message),
         )
         self._buffer.put_nowait((handle, delivery))
+
+    async def _return_unstarted(self, handle: _Handle) -> None:
+        with contextlib.suppress(SettlementLost):
+            await self.nack(handle, 0.0, counted=False)
+            self.stats["returned_unstarted"] += 1
 
     def _on_lost(self, _sender: Any, exc: BaseException | None = None) -> None:
         if not self._connected:
