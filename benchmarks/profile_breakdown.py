@@ -25,11 +25,14 @@ from pathlib import Path
 SETUP = re.compile(
     r"^(main|reset|pump_run|asyncpg_run) \(.*benchmarks/|MemoryBroker.publish|worker/migrate.py"
     r"|\(env.py|alembic/|admin_sql|Engine.dispose|<frozen runpy>:189"
+    r"|<frozen importlib._bootstrap>"
 )
 """Frames of the benchmark's set-up or the process's start (imports), not of the pump:
 the whole sample is left out."""
 
-IDLE = re.compile(r"\(selectors.py:|Condition.wait |Event.wait |socket.accept ")
+IDLE = re.compile(
+    r"\(selectors.py:|Condition.wait |Event.wait |socket.accept |^_worker \(concurrent"
+)
 """A stack ending in a wait: a thread sampled while it was blocked, not using the CPU."""
 
 GREENLET_ROOTS: list[tuple[str, str]] = [
@@ -40,12 +43,15 @@ GREENLET_ROOTS: list[tuple[str, str]] = [
     ("(worker/inbox.py", "inbox marker statement"),
     ("(worker/attempts.py", "delivery counts (autocommitted)"),
     ("AsyncSession.begin_nested", "savepoint: SAVEPOINT"),
+    ("Session.execute ", "session.execute (the handler's statements, the batch's locks)"),
+    ("Engine.connect ", "new pooled connections (once per connection, not per message)"),
     ("Session.begin_nested", "savepoint: SAVEPOINT"),
 ]
 """A greenlet's first frame -> what it does."""
 
 OWNERS: list[tuple[str, str]] = [
     ("handlers/", "handler (its own Python and its awaits)"),
+    ("throughput_handlers.py", "handler (its own Python and its awaits)"),
     ("worker/batch.py", "batch runner (locks, savepoints, verdicts)"),
     ("worker/transaction.py", "transaction runner"),
     ("worker/inbox.py", "inbox marker statement"),

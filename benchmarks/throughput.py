@@ -733,7 +733,7 @@ async def main(args: argparse.Namespace) -> int:
     args.database_url = args.postgres.rsplit("/", 1)[0] + f"/{name}"
     batch = batch_mode_on_main()
     every = [*ROWS, *tree_rows(args.tree)]
-    rows = [r for r in every if not args.only or any(o in r.label for o in args.only.split(","))]
+    rows = [r for r in every if not args.only or any(o in r.label for o in args.only.split("|"))]
     rows = [r for r in rows if batch or not r.batch]
     if BASELINE not in rows:
         rows.insert(0, BASELINE)
@@ -775,11 +775,12 @@ async def main(args: argparse.Namespace) -> int:
 
 
 def tree_rows(trees: list[str]) -> list[Row]:
-    """The per-message worker rows again, each from a ``NAME=PATH`` checkout."""
+    """The shipped handler's rows and the set-based batch row again, each from a
+    ``NAME=PATH`` checkout (before/after in one run)."""
     extra = []
     for spec in trees:
         name, _, path = spec.partition("=")
-        for row in ROWS[3:6]:
+        for row in (SHIPPED, SHIPPED_BATCH, SET_BASED):
             extra.append(replace(row, label=f"{row.label} [{name}]", tree=path))
     return extra
 
@@ -792,7 +793,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds one run may take")
     parser.add_argument("--quick", action="store_true", help="1,000 deliveries, one run")
-    parser.add_argument("--only", default="", help="rows whose label contains one of these")
+    parser.add_argument("--only", default="", help="rows whose label contains one of these (|)")
     parser.add_argument(
         "--postgres", default="postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
     )
