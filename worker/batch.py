@@ -106,6 +106,20 @@ class _Isolate(Exception):
         self.error = error
 
 
+def _own(exc: BaseException) -> bool:
+    """Whether a handler's exception is plainly its message's own: nothing in its chain
+    came from the database (a database error in a shared pass may be an earlier
+    message's pending write, flushed late by this one's query)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, StatementSwallowed) or from_database(current):
+            return False
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return True
+
+
 class BatchRunner:
     """One handler over a batch's items: a transaction, once more on contention, else
     each on its own through the transaction runner."""
@@ -365,10 +379,7 @@ class BatchRunner:
             failed = failure_of(exc)
             if failed in _WHOLE or failed.environment:
                 raise
-            # The handler's own exception (not the database's, which may be an earlier
-            # message's pending write flushed late) is that message's, whatever ran before.
-            own = not isinstance(exc, StatementSwallowed) and not from_database(exc)
-            raise _Isolate(item if own else None, exc) from exc
+            raise _Isolate(item if _own(exc) else None, exc) from exc
 
     async def _savepoint(
         self, session: PumpSession, handler: Handler[Any], item: Item, attempt: int

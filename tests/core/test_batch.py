@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import Numeric, bindparam, event, select, text
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from handlers.credit import Account, CreditRequested, apply_credit
@@ -288,6 +289,40 @@ async def test_failures_inside_a_batch_stay_their_own(
     assert "RuntimeError: boom" in reasons["m-fails"]
     assert "IntegrityError" in reasons["m-order"]
     assert pump.stats["batch-fallback"] == 0  # handled inside the batch, not by falling back
+
+
+async def test_a_write_flushed_late_in_the_shared_pass_fails_its_own_message(
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
+) -> None:
+    """In the shared pass a message's pending write is flushed by the next message's
+    query, so the database error shows in the next handler, which may wrap it in an
+    error of its own. That error is not the next message's: the batch goes round with a
+    savepoint each, where the write fails in the message that made it."""
+    async with engine.begin() as connection:
+        await connection.execute(text("INSERT INTO accounts VALUES ('taken', 0, 1)"))
+    registry = Registry()
+
+    @registry.handler("Credit", CreditRequested, consumer="credit")
+    async def credit(ctx: Context, message: CreditRequested) -> None:
+        if message.account_id == "taken":  # a new account that is not new: fails at a flush
+            ctx.session.add(Account(id="taken", balance=message.amount, version=1))
+            return
+        try:
+            await ctx.session.scalars(select(Account).where(Account.id == message.account_id))
+        except IntegrityError as exc:
+            raise RuntimeError("could not look the account up") from exc
+        await apply_credit(ctx, message)
+
+    settings = make_settings(batch_size=2, batch_wait=0.5, concurrency=1, max_deliveries=1)
+    broker = MemoryBroker()
+    broker.publish("m-taken", "Credit", body("taken", "5.00"))
+    broker.publish("m-free", "Credit", body("free", "1.00"))
+    async with run_pumps([broker.connect()], [engine], registry, settings) as [pump]:
+        await broker.wait_idle(20)
+    assert history(broker, "m-free") == [("ack", 1)]  # not blamed for the other's write
+    assert history(broker, "m-taken") == [("dead-letter", 1)]
+    assert await balances(engine) == {"taken": Decimal(0), "free": Decimal(1)}
+    assert pump.stats["batch-isolated"] == 1
 
 
 # -- whole-transaction failures: retry once, then one at a time ---------------------------
