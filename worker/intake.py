@@ -17,10 +17,12 @@ One reader task takes deliveries from the broker and, for each:
    settled, so each further death charges only the message that caused it;
 3. in batch mode, puts a delivery that may share a transaction into its bucket
    (one per message type and delivery group); a key belongs to one open bucket at a
-   time, and a group's open bucket is cut as soon as a delivery of another type, or
-   one that must run on its own, arrives in that group, so a partition's records
-   still run in offset order. A bucket is handed out full, or when its oldest
-   delivery has waited ``WORKER_BATCH_WAIT``;
+   time (a delivery whose key a running batch holds waits for it before it joins one,
+   unless it has a group: then it joins its group's bucket, which waits for the key),
+   and a group's open bucket is cut as soon as a delivery of another type, or one that
+   must run on its own, arrives in that group, so a partition's records still run in
+   offset order. A bucket is handed out full, or by a timer once its first delivery
+   has waited ``WORKER_BATCH_WAIT``;
 4. hands the unit of work out through its lanes: work holds its key and its delivery
    group while it runs, and work that shares one waits behind it, in arrival order.
    One key may park at most ``concurrency`` (batch mode: a batch) deliveries: the
