@@ -5,7 +5,9 @@
 An in-process :class:`worker.pump.Pump` on the memory broker consumes N
 ``CreditRequested`` deliveries (100 accounts, concurrency 32) into PostgreSQL with
 the reference handler (``handlers.credit.apply_credit``, keyed by account) and
-with the atomic-SQL handler of benchmarks/throughput_handlers.py; the same
+with the atomic-SQL handler of benchmarks/throughput_handlers.py, per message and
+in batch mode (``WORKER_BATCH_SIZE=32``: the keyed reference handler in savepoints,
+and the set-based batch handler); the same
 deliveries are also run by the hand-written asyncpg inbox transaction (no
 broker, no pump) for scale. Rounds alternate; medians are printed, msg/s and the
 process's CPU time per message (steadier than msg/s on a shared machine). What is left
@@ -27,7 +29,7 @@ import asyncpg  # type: ignore[import-untyped]
 from sqlalchemy import text
 
 from benchmarks.rabbitmq_vs_handwritten import CREDIT, MARK, admin_sql
-from benchmarks.throughput_handlers import credit_atomic
+from benchmarks.throughput_handlers import credit_atomic, credit_set_based
 from handlers.credit import CreditRequested, apply_credit
 from tests.support.migrations import migrate_with_the_example
 from worker import logs
@@ -48,12 +50,24 @@ async def reset(url: str, accounts: int) -> None:
 
 
 async def pump_run(
-    url: str, count: int, accounts: int, concurrency: int, func: Any, key: bool
-) -> float:
+    url: str,
+    count: int,
+    accounts: int,
+    concurrency: int,
+    func: Any,
+    key: bool,
+    batch: int = 1,
+    set_based: bool = False,
+) -> tuple[float, float]:
     registry = Registry()
     keyed = (lambda m: m.account_id) if key else None
-    registry.handler("CreditRequested", CreditRequested, consumer="credit", key=keyed)(func)
-    settings = Settings(database_url=url, concurrency=concurrency, purge_interval=0)
+    if set_based:
+        registry.handler("CreditRequested", CreditRequested, consumer="credit", batch=True)(func)
+    else:
+        registry.handler("CreditRequested", CreditRequested, consumer="credit", key=keyed)(func)
+    settings = Settings(
+        database_url=url, concurrency=concurrency, purge_interval=0, batch_size=batch
+    )
     engine = create_engine(url, pool_size=settings.pool_size, max_overflow=0)
     broker = MemoryBroker()
     tag = uuid.uuid4().hex[:8]
@@ -74,6 +88,10 @@ async def pump_run(
         pump.stop()
         await task
         await engine.dispose()
+        noted = ("batch-deferred", "batch-retried", "batch-fallback", "duplicates-fast-path")
+        unusual = {k: v for k, v in pump.stats.items() if k in noted or k.startswith("retried")}
+        if unusual:
+            print(f"    {unusual}", flush=True)
 
 
 async def asyncpg_run(url: str, count: int, accounts: int, concurrency: int) -> tuple[float, float]:
@@ -110,6 +128,12 @@ async def main(args: argparse.Namespace) -> None:
         "asyncpg inbox (no broker)": lambda: asyncpg_run(url, *shape),
         "pump, reference handler": lambda: pump_run(url, *shape, apply_credit, True),
         "pump, atomic-SQL handler": lambda: pump_run(url, *shape, credit_atomic, False),
+        "pump batch 32, reference (keyed)": lambda: pump_run(
+            url, *shape, apply_credit, True, batch=32
+        ),
+        "pump batch 32, set-based": lambda: pump_run(
+            url, *shape, credit_set_based, False, batch=32, set_based=True
+        ),
     }
     shape = (args.messages, args.accounts, args.concurrency)
     if args.only:

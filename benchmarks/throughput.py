@@ -19,9 +19,11 @@ and ratios to the hand-written inbox consumer of the same scenario. Rows:
   (``handlers.credit``: ORM read-modify-write under the version token, keyed by
   account), the same function without the key, and an atomic-SQL handler
   (benchmarks/throughput_handlers.py);
-- ``worker run`` in batch mode (``WORKER_BATCH_SIZE``): the reference function
-  without the key (batch mode runs keyed handlers one at a time), one savepoint per
-  message, and a set-based batch handler, and a batch size sweep.
+- ``worker run`` in batch mode (``WORKER_BATCH_SIZE``): the shipped keyed handler
+  (key-affinity batches), the reference function without the key, a set-based batch
+  handler, and a batch size sweep;
+- the transport's ceiling: aio-pika consuming the same queue with no database, acking
+  each delivery, and with one ``basic.ack(multiple=True)`` per 32.
 
 msg/s is deliveries settled per second from the consumer's ``pump started`` line
 to the moment the benchmark sees the last settlement (the worker's ``/metrics``,
@@ -29,8 +31,10 @@ the other consumers' ``drained`` line; both polled every 20 ms, the worker's onl
 once the queue has handed out its last message: a scrape costs the worker CPU). Every run checks
 each balance against the credits of the distinct message ids and the markers
 against the ids: "exact" or "wrong" (a no-dedup consumer is wrong with duplicates,
-by design). The worker's peak RSS (VmHWM) and start-to-ready (spawn to ``/readyz``
-200) are printed too, and one extra run at concurrency 64 with batch size 64.
+by design). The consumer's CPU per delivery, the worker's peak RSS (VmHWM) and
+start-to-ready (spawn to ``/readyz`` 200) are printed too, one extra run at concurrency
+64 with batch size 64, and issue 24's targets, met or missed. ``--profile DIR`` attaches
+py-spy to every consumer (raw stacks for benchmarks/profile_breakdown.py).
 
 Needs RabbitMQ (``rabbitmqctl``: a throwaway vhost) and PostgreSQL (a throwaway
 database); both are removed afterwards. Every wait is bounded.
@@ -96,6 +100,8 @@ class Row:
     scenarios: tuple[float, ...] = SCENARIOS
     serve: str = ""  # a consumer of this module (--serve), or "" for `worker run`
     tree: str = ""  # --tree: `worker run` from another checkout (before/after, one run)
+    writes: bool = True  # False: the transport's ceiling, nothing to check in the database
+    uvloop: bool = False  # `worker run` on uvloop's event loop (benchmarks/uvloop_worker.py)
 
     @property
     def message_type(self) -> str:
@@ -104,20 +110,37 @@ class Row:
 
 BENCH = "benchmarks.throughput_handlers"  # its rows use its own message type
 BASELINE = Row("hand-written inbox (aio-pika + asyncpg)", serve="handwritten")
+CEILING = Row(
+    "consume-and-ack ceiling, ack each (no database)", serve="ceiling", dedup=False, writes=False
+)
+CEILING_MULTIPLE = Row(
+    "consume-and-ack ceiling, multiple-ack per 32",
+    serve="ceiling-multiple",
+    dedup=False,
+    writes=False,
+)
+FASTSTREAM = Row("FastStream, ORM read-modify-write, no dedup", serve="faststream", dedup=False)
+SHIPPED = Row("worker, shipped ORM handler (keyed)")
+SHIPPED_BATCH = Row("worker batch 32, shipped ORM handler (keyed)", batch=32)
+SET_BASED = Row("worker batch 32, set-based handler", BENCH, "set-based", batch=32)
 ROWS = (
     BASELINE,
     Row("hand-written atomic, no dedup", serve="handwritten-nodedup", dedup=False),
-    Row("FastStream, ORM read-modify-write, no dedup", serve="faststream", dedup=False),
-    Row("worker, reference ORM handler (keyed)"),
+    CEILING,
+    CEILING_MULTIPLE,
+    FASTSTREAM,
+    SHIPPED,
     Row("worker, reference ORM handler, no key", handlers=BENCH, variant="reference"),
     Row("worker, atomic-SQL handler", handlers=BENCH, variant="atomic"),
-    Row("worker batch 32, reference ORM (savepoints)", BENCH, "reference", batch=32),
-    Row("worker batch 32, set-based handler", BENCH, "set-based", batch=32),
-    *(Row(f"  sweep: batch {n}, set-based", BENCH, "set-based", batch=n) for n in (1, 8, 128)),
+    SHIPPED_BATCH,
+    Row("worker batch 32, reference ORM, no key", BENCH, "reference", batch=32),
+    SET_BASED,
+    *(Row(f"  sweep: batch {n}, set-based", BENCH, "set-based", batch=n) for n in (8, 128)),
+    replace(SHIPPED, label="worker, shipped ORM handler (keyed), uvloop", uvloop=True),
+    replace(SHIPPED_BATCH, label="worker batch 32, shipped ORM handler, uvloop", uvloop=True),
+    replace(SET_BASED, label="worker batch 32, set-based handler, uvloop", uvloop=True),
     Row(
-        "worker batch 64 at concurrency 64, reference ORM",
-        BENCH,
-        "reference",
+        "worker batch 64 at concurrency 64, shipped handler",
         batch=64,
         concurrency=64,
         scenarios=(0.0,),
@@ -134,6 +157,8 @@ class Result:
     problem: str = ""
     stats: dict[str, Any] = field(default_factory=dict)
     disturbed: bool = False  # the broker or the database restarted during the run
+    cpu_us: float | None = None  # the consumer process's CPU per delivery, from its start
+    cpu_at_start: float | None = None  # its CPU seconds when it started consuming
 
 
 # -- the messages --------------------------------------------------------------------
@@ -182,12 +207,15 @@ def batch_mode_on_main() -> bool:
 
 
 class ServedProcess(WorkerProcess):
-    """A consumer of this module (``--serve <kind>``), or ``worker run`` from ``tree``."""
+    """A consumer of this module (``--serve <kind>``), ``worker run`` from ``tree``, or
+    ``worker run`` on uvloop (``kind`` "uvloop")."""
 
     def __init__(self, kind: str, env: dict[str, str], log_path: Path, tree: str = "") -> None:
         self.log_path = log_path
         self._log = log_path.open("wb")
         command = [sys.executable, "-m", "benchmarks.throughput", "--serve", kind]
+        if kind == "uvloop":
+            command = [sys.executable, "-m", "benchmarks.uvloop_worker", "run"]
         if tree:
             command, env = [sys.executable, "-m", "worker.cli", "run"], {**env, "PYTHONPATH": tree}
         self.process = subprocess.Popen(
@@ -195,8 +223,48 @@ class ServedProcess(WorkerProcess):
         )
 
 
+def consumer_env(
+    row: Row, args: argparse.Namespace, rabbit: RabbitMQSettings, port: int, expect: int
+) -> dict[str, str]:
+    """The environment of one row's consumer process (``expect``: deliveries to drain)."""
+    env = rabbit_env(
+        rabbit,
+        args.database_url,
+        WORKER_HANDLERS=row.handlers,
+        WORKER_CONCURRENCY=str(row.concurrency or args.concurrency),
+        WORKER_DB_MAX_OVERFLOW="0",  # one process's connections stay within concurrency + 2
+        WORKER_PURGE_INTERVAL="0",  # no inbox purge or claim sweep during the clock
+        WORKER_OUTBOX_RELAY="false",
+        WORKER_GRACE_PERIOD="10",
+        WORKER_LOG_LEVEL="INFO",
+        WORKER_OPS_PORT=str(port),
+        WORKER_OPS_HOST="127.0.0.1",
+        THROUGHPUT_VARIANT=row.variant,
+        THROUGHPUT_EXPECT=str(expect),
+    )
+    if row.batch:
+        env["WORKER_BATCH_SIZE"] = str(row.batch)
+    return env
+
+
+def spawn(row: Row, env: dict[str, str], path: Path) -> WorkerProcess:
+    if row.uvloop:
+        return ServedProcess("uvloop", env, path)
+    if row.serve or row.tree:
+        return ServedProcess(row.serve, env, path, row.tree)
+    return WorkerProcess(env, path)
+
+
 def _timestamp(line: dict[str, Any]) -> float:
     return datetime.fromisoformat(line["timestamp"]).timestamp()
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """A process's user + system CPU time so far (None: it is gone)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return None
 
 
 def _peak_rss_mb(pid: int) -> float | None:
@@ -261,38 +329,22 @@ async def run_once(
 ) -> Result:
     tag = f"tp{n}-{uuid.uuid4().hex[:6]}"
     rabbit = RabbitMQSettings(url=guest_url(vhost), queue=tag, exchange=f"{tag}.in")
-    concurrency = row.concurrency or args.concurrency
     port = free_port()
-    env = rabbit_env(
-        rabbit,
-        args.database_url,
-        WORKER_HANDLERS=row.handlers,
-        WORKER_CONCURRENCY=str(concurrency),
-        WORKER_DB_MAX_OVERFLOW="0",  # one process's connections stay within concurrency + 2
-        WORKER_PURGE_INTERVAL="0",  # no inbox purge or claim sweep during the clock
-        WORKER_OUTBOX_RELAY="false",
-        WORKER_GRACE_PERIOD="10",
-        WORKER_LOG_LEVEL="INFO",
-        WORKER_OPS_PORT=str(port),
-        WORKER_OPS_HOST="127.0.0.1",
-        THROUGHPUT_VARIANT=row.variant,
-        THROUGHPUT_EXPECT=str(args.messages),
-    )
-    if row.batch:
-        env["WORKER_BATCH_SIZE"] = str(row.batch)
+    env = consumer_env(row, args, rabbit, port, args.messages)
     await prepare(db, args.accounts)
     batch = deliveries(args.messages, args.accounts, duplicates, tag, row.message_type)
     await patiently("queueing the messages", lambda: fill(rabbit, batch))
     result = Result()
     path = logs / f"{tag}.log"
     spawned = time.time()
-    if row.serve or row.tree:
-        process: WorkerProcess = ServedProcess(row.serve, env, path, row.tree)
-    else:
-        process = WorkerProcess(env, path)
+    process = spawn(row, env, path)
+    profiler = start_profiler(args, process, tag, row)
     try:
         ended = await drained(process, row, port, rabbit, args, result, spawned)
         result.rss_mb = _peak_rss_mb(process.process.pid)
+        used = cpu_seconds(process.process.pid)
+        if ended is not None and used is not None and result.cpu_at_start is not None:
+            result.cpu_us = (used - result.cpu_at_start) / args.messages * 1e6
     finally:
         process.signal(signal.SIGTERM)
         try:
@@ -300,6 +352,8 @@ async def run_once(
         except subprocess.TimeoutExpired:
             process.kill()
             result.problem = result.problem or "no exit after SIGTERM"
+        if profiler is not None:
+            await asyncio.to_thread(profiler.wait, 60)
     started = process.events("pump started")
     if ended is not None and started:
         result.rate = args.messages / (ended - _timestamp(started[0]))
@@ -313,9 +367,24 @@ async def run_once(
     )
     await patiently("deleting the queues", lambda: cleanup(rabbit))
     result.exact, wrong = await check(db, batch, row.dedup, dead)
+    if not row.writes:
+        result.exact, wrong = True, ""
     if wrong and not result.problem and (row.dedup or duplicates == 0):
         result.problem = wrong
     return result
+
+
+def start_profiler(
+    args: argparse.Namespace, process: WorkerProcess, tag: str, row: Row
+) -> subprocess.Popen[bytes] | None:
+    """``--profile DIR``: py-spy attached to the consumer until it exits (raw stacks)."""
+    if not args.profile:
+        return None
+    name = "".join(c if c.isalnum() else "-" for c in row.label).strip("-")[:60]
+    out = Path(args.profile) / f"{name}-{tag}.txt"
+    command = ["py-spy", "record", "--format", "raw", "--rate", "200", "-o", str(out)]
+    command += ["--pid", str(process.process.pid)]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 async def run_disturbed(
@@ -369,6 +438,8 @@ async def drained(
             if time.monotonic() > deadline:
                 result.problem = f"not drained within {args.timeout:.0f}s"
                 return None
+            if result.cpu_at_start is None and process.logged("pump started"):
+                result.cpu_at_start = cpu_seconds(process.process.pid)
             if row.serve:
                 if process.logged("drained"):
                     return time.time()
@@ -454,6 +525,45 @@ async def serve_handwritten(dedup: bool) -> None:
         await pool.close()
 
 
+async def serve_ceiling(multiple: int) -> None:
+    """The transport's ceiling: aio-pika consuming the same queue, no database, no decode;
+    each delivery acked (``multiple`` 1), or one ``basic.ack(multiple=True)`` for every
+    ``multiple`` deliveries, with the prefetch the worker's batch mode asks for."""
+    import aio_pika
+
+    from worker.brokers.rabbitmq import declare_topology
+    from worker.settings import Settings
+
+    rabbit, settings = RabbitMQSettings(), Settings()
+    count, concurrency = int(os.environ["THROUGHPUT_EXPECT"]), settings.concurrency
+    prefetch = concurrency if multiple == 1 else (concurrency + 1) * multiple
+    connection = await aio_pika.connect_robust(rabbit.url)
+    acked = 0
+    done = asyncio.Event()
+
+    async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        nonlocal acked
+        acked += 1
+        if multiple == 1:
+            await message.ack()
+        elif acked % multiple == 0 or acked == count:
+            await message.ack(multiple=True)
+        if acked == count:
+            done.set()
+
+    try:
+        channel = await connection.channel()
+        await channel.set_qos(prefetch_count=prefetch)
+        queue = await declare_topology(channel, rabbit)
+        await queue.consume(on_message)
+        _say("pump started")
+        await done.wait()
+        _say("drained", acked=acked)
+        await asyncio.Event().wait()  # until SIGTERM
+    finally:
+        await connection.close()
+
+
 async def serve_faststream() -> None:
     """FastStream's RabbitMQ subscriber; the handler reads, adds and commits with the ORM."""
     from faststream import AckPolicy
@@ -500,6 +610,8 @@ def serve(kind: str) -> None:
     async def main() -> None:
         if kind == "faststream":
             task = asyncio.create_task(serve_faststream())
+        elif kind.startswith("ceiling"):
+            task = asyncio.create_task(serve_ceiling(32 if kind == "ceiling-multiple" else 1))
         else:
             task = asyncio.create_task(serve_handwritten(dedup=kind == "handwritten"))
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
@@ -534,10 +646,11 @@ def report(
         "msg/s 30% dup",
         "vs inbox",
         "balances",
+        "CPU µs/msg",
         "RSS MB",
         "ready s",
     )
-    widths = (50, 7, 8, 8, 13, 8, 8, 6, 7)
+    widths = (50, 7, 8, 8, 13, 8, 8, 10, 6, 7)
     print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for row in results:
@@ -556,13 +669,21 @@ def report(
             baseline = base[scenario]
             cells.append(f"{rate:.0f}" if rate else "failed")
             cells.append(f"{rate / baseline:.2f}x" if rate and baseline else "-")
-            cells.append("exact" if runs and all(r.exact for r in runs) else "wrong")
+            exact = "exact" if runs and all(r.exact for r in runs) else "wrong"
+            cells.append(exact if row.writes else "-")
         rss = _median([r.rss_mb for r in everything if r.rss_mb is not None and not row.serve])
         ready = _median([r.ready for r in everything if r.ready is not None])
+        cpu = _median([r.cpu_us for r in runs_without_duplicates(results[row])])
+        cells.append(f"{cpu:.0f}" if cpu else "-")
         cells.append(f"{rss:.0f}" if rss else "-")
         cells.append(f"{ready:.2f}" if ready else "-")
         print("| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |")
-    print("\nRSS: the worker process's peak (VmHWM); ready: spawn to /readyz 200.")
+    print(
+        "\nCPU: the consumer process's CPU time per delivery from its start of consuming to"
+        " its last settlement (no duplicates); RSS: the worker process's peak (VmHWM);"
+        " ready: spawn to /readyz 200."
+    )
+    targets(results)
     problems = [
         f"  {row.label} ({scenario:.0%} dup): {r.problem}"
         for row, by in results.items()
@@ -574,6 +695,36 @@ def report(
         print("problems:\n" + "\n".join(problems))
 
 
+def runs_without_duplicates(by: dict[float, list[Result]]) -> list[Result]:
+    return [r for r in by.get(0.0, []) if r.cpu_us is not None and not r.problem]
+
+
+def _rate(results: dict[Row, dict[float, list[Result]]], row: Row) -> float | None:
+    return _median([r.rate for r in results[row].get(0.0, []) if r.rate and not r.problem])
+
+
+def targets(results: dict[Row, dict[float, list[Result]]]) -> None:
+    """Issue 24's targets, met or missed, from this run (no duplicates)."""
+    rate = {row: _rate(results, row) for row in (BASELINE, CEILING, CEILING_MULTIPLE,
+            FASTSTREAM, SHIPPED, SHIPPED_BATCH, SET_BASED)}  # fmt: skip
+    ceiling = max((r for r in (rate[CEILING], rate[CEILING_MULTIPLE]) if r), default=None)
+    checks = [
+        ("shipped keyed ORM handler, batch 32 / hand-written inbox", SHIPPED_BATCH, BASELINE, 1.0),
+        ("set-based batch handler / consume-and-ack ceiling", SET_BASED, None, 0.5),
+        ("shipped handler per message / hand-written inbox", SHIPPED, BASELINE, 0.5),
+        ("shipped handler per message / FastStream", SHIPPED, FASTSTREAM, 1.5),
+    ]
+    print("\ntargets (no duplicates):")
+    for label, row, base, wanted in checks:
+        numerator, denominator = rate[row], rate[base] if base is not None else ceiling
+        if not numerator or not denominator:
+            print(f"  {label}: not measured in this run")
+            continue
+        ratio = numerator / denominator
+        verdict = "met" if ratio >= wanted else "missed"
+        print(f"  {label}: {ratio:.2f}x (target >= {wanted}x): {verdict}")
+
+
 # -- main ----------------------------------------------------------------------------
 
 
@@ -582,7 +733,7 @@ async def main(args: argparse.Namespace) -> int:
     args.database_url = args.postgres.rsplit("/", 1)[0] + f"/{name}"
     batch = batch_mode_on_main()
     every = [*ROWS, *tree_rows(args.tree)]
-    rows = [r for r in every if not args.only or any(o in r.label for o in args.only.split(","))]
+    rows = [r for r in every if not args.only or any(o in r.label for o in args.only.split("|"))]
     rows = [r for r in rows if batch or not r.batch]
     if BASELINE not in rows:
         rows.insert(0, BASELINE)
@@ -624,11 +775,12 @@ async def main(args: argparse.Namespace) -> int:
 
 
 def tree_rows(trees: list[str]) -> list[Row]:
-    """The per-message worker rows again, each from a ``NAME=PATH`` checkout."""
+    """The shipped handler's rows and the set-based batch row again, each from a
+    ``NAME=PATH`` checkout (before/after in one run)."""
     extra = []
     for spec in trees:
         name, _, path = spec.partition("=")
-        for row in ROWS[3:6]:
+        for row in (SHIPPED, SHIPPED_BATCH, SET_BASED):
             extra.append(replace(row, label=f"{row.label} [{name}]", tree=path))
     return extra
 
@@ -641,7 +793,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds one run may take")
     parser.add_argument("--quick", action="store_true", help="1,000 deliveries, one run")
-    parser.add_argument("--only", default="", help="rows whose label contains one of these")
+    parser.add_argument("--only", default="", help="rows whose label contains one of these (|)")
     parser.add_argument(
         "--postgres", default="postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
     )
@@ -651,6 +803,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         metavar="NAME=PATH",
         help="also run the per-message worker rows from this checkout (before/after)",
+    )
+    parser.add_argument(
+        "--profile", default="", metavar="DIR", help="py-spy each consumer, raw stacks in DIR"
     )
     parser.add_argument("--serve", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -7,8 +7,8 @@ already). Unset, nothing is registered (an import for the functions alone).
 
 - ``atomic``: per message, the hand-written consumer's atomic upsert through
   ``ctx.session`` (no read, no token check, nothing to conflict).
-- ``reference``: :func:`handlers.credit.apply_credit` without ``key=`` (batch mode
-  runs keyed handlers one at a time), so batch mode puts it in savepoints.
+- ``reference``: :func:`handlers.credit.apply_credit` without ``key=``: in batch mode
+  any key may then be in two batches at once, which then wait on each other's rows.
 - ``set-based``: a batch handler (``batch=True``): the batch's credits summed per
   account in Python, then one multi-row upsert for the whole batch.
 """

@@ -5,17 +5,22 @@ hands a full or ripe one out as one unit of work; for each handler of its type t
 runner makes it one transaction::
 
     fresh session -> [keyed: the keys' advisory locks] -> one multi-row marker insert
-        -> ordinary handler: one SAVEPOINT per new message, in arrival order
+        -> ordinary handler: every new message in arrival order, then one flush
            batch handler: one call with every new message
         -> the adapter's writes for the committed messages -> one commit
 
 A bucket holds each key it has (a key belongs to one open batch at a time), so
-same-key deliveries run in their batch one after another, each in its own savepoint
-on the batch's session: the ORM's identity map hands the second credit the row the
-first one changed, with no conflict and no second read. Batches running at the same
-time hold disjoint keys and never wait on each other's row locks.
+same-key deliveries run in their batch one after another on the batch's session: the
+ORM's identity map hands the second credit the row the first one changed, with no
+conflict and no second read. Batches running at the same time hold disjoint keys and
+never wait on each other's row locks.
 
-What may not share a transaction never does:
+An ordinary handler's messages first run with no savepoint of their own (the shared
+pass: a SAVEPOINT, a RELEASE and a flush per message were most of a batch's cost).
+When one of them fails, the batch runs again on a fresh session: without that message
+when the failure was plainly its own (its handler raised; it is judged on that failure
+and not run again), else with one SAVEPOINT per message, which keeps every failure to
+its own message:
 
 - the same id twice in one batch: intake makes the second a twin of the first,
   acked as its duplicate once the first is done (or run on its own when it was not);
@@ -45,9 +50,9 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from worker import inbox
 from worker.calling import call_handler
 from worker.context import BatchContext, Context
-from worker.db import Failure, discard
+from worker.db import Failure, discard, from_database
 from worker.delivery import in_commit
-from worker.errors import HandlerTimeout, Rejected
+from worker.errors import HandlerTimeout, Rejected, StatementSwallowed
 from worker.judge import cause_of, failure_of, refused_value
 from worker.retry import backoff
 from worker.verdict import COMMITTED, DUPLICATE, PAUSED, Verdict
@@ -91,6 +96,30 @@ class _Defer(Exception):
     """A savepoint lost to another writer: run this message on its own after the commit."""
 
 
+class _Isolate(Exception):
+    """Something failed in the shared pass: ``item``, when it was that message's own
+    failure (``error``); None when it cannot be told whose it was."""
+
+    def __init__(self, item: Item | None, error: Exception) -> None:
+        super().__init__(str(error))
+        self.item = item
+        self.error = error
+
+
+def _own(exc: BaseException) -> bool:
+    """Whether a handler's exception is plainly its message's own: nothing in its chain
+    came from the database (a database error in a shared pass may be an earlier
+    message's pending write, flushed late by this one's query)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, StatementSwallowed) or from_database(current):
+            return False
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return True
+
+
 class BatchRunner:
     """One handler over a batch's items: a transaction, once more on contention, else
     each on its own through the transaction runner."""
@@ -116,10 +145,29 @@ class BatchRunner:
 
     async def run(self, stage: Stage) -> list[Verdict]:
         handler, items = stage.handler, stage.items
-        for attempt in (1, 2):
+        shared = handler.batch is None  # the happy path first (_shared)
+        failed_alone: dict[int, Exception] = {}  # a message's own failure in a shared pass
+        attempt, retried = 0, False
+        # at most: a shared pass, one more without the message that failed in it, one with
+        # savepoints, and one retry of a whole-transaction failure
+        while attempt < 4:
+            attempt += 1
             self._keep_alive(items, self._timeout)
             try:
-                return await self._transaction(stage, attempt)
+                return await self._transaction(stage, attempt, shared, failed_alone)
+            except _Isolate as exc:
+                self.stats["batch-isolated"] += 1
+                self.judge.log.info(
+                    "batch again without the shared pass's failure",
+                    consumer=handler.consumer,
+                    size=len(items),
+                    error=exc.__cause__,
+                )
+                if exc.item is not None and not failed_alone:
+                    failed_alone[id(exc.item)] = exc.error  # judged, not run again
+                else:
+                    shared = False  # the second failure, or the flush's: a savepoint each
+                continue
             except Exception as exc:
                 failed = failure_of(exc)
                 if failed is Failure.CONNECTION and not await self.endings.health.confirm():
@@ -127,7 +175,8 @@ class BatchRunner:
                 if failed.environment:
                     await self.endings.health.pause_for(failed, cause_of(exc))
                     return [PAUSED for _ in items]
-                if attempt == 1 and failed in _RETRIED:
+                if not retried and failed in _RETRIED:
+                    retried = True
                     self.stats["batch-retried"] += 1
                     self.judge.log.info(
                         "batch retrying",
@@ -167,17 +216,21 @@ class BatchRunner:
             )
         return verdicts
 
-    async def _transaction(self, stage: Stage, attempt: int) -> list[Verdict]:
+    async def _transaction(
+        self, stage: Stage, attempt: int, shared: bool, failed_alone: dict[int, Exception]
+    ) -> list[Verdict]:
         """One transaction for the stage's handler over its items; a verdict per item.
 
-        Raises on a whole-transaction failure, leaving every item's verdict to the caller.
+        Raises on a whole-transaction failure, leaving every item's verdict to the caller;
+        ``shared``: :class:`_Isolate` when a message of the shared pass failed.
+        ``failed_alone``: items whose failure an earlier shared pass saw; judged on it.
         """
         handler, items = stage.handler, stage.items
         session: PumpSession = self._sessions()
         try:
             try:
                 async with asyncio.timeout(self._timeout):
-                    verdicts = await self._body(session, stage, attempt)
+                    verdicts = await self._body(session, stage, attempt, shared, failed_alone)
             except TimeoutError as exc:
                 raise HandlerTimeout(
                     f"batch of {len(items)} ran longer than WORKER_HANDLER_TIMEOUT={self._timeout}s"
@@ -204,20 +257,27 @@ class BatchRunner:
             self.judge.note(item.delivery, handler.consumer, attempt, verdict.outcome.value)
         return verdicts
 
-    async def _body(self, session: PumpSession, stage: Stage, attempt: int) -> list[Verdict]:
-        handler, items = stage.handler, stage.items
+    async def _body(
+        self,
+        session: PumpSession,
+        stage: Stage,
+        attempt: int,
+        shared: bool,
+        failed_alone: dict[int, Exception],
+    ) -> list[Verdict]:
+        handler, all_items = stage.handler, stage.items
         consumer = handler.consumer
+        verdicts = self._judged(handler, all_items, attempt, failed_alone)
+        items = [item for item in all_items if id(item) not in verdicts]
         if self._postgres and handler.key is not None:
             keys = sorted({str(item.key) for item in items if item.key is not None})
             if keys:
                 await session.execute(_LOCK_KEYS, {"keys": keys})
-        if handler.inbox:  # first deliveries only (a redelivery runs alone): they may wait
+        if handler.inbox and items:  # first deliveries only (a redelivery runs alone)
             new = await inbox.mark_many(session, [item.message_id for item in items], consumer)
         else:
             new = {item.message_id for item in items}
-        verdicts: dict[int, Verdict] = {
-            id(item): DUPLICATE for item in items if item.message_id not in new
-        }
+        verdicts.update((id(item), DUPLICATE) for item in items if item.message_id not in new)
         fresh = [item for item in items if item.message_id in new]
         if handler.batch is not None:
             await self._call_batch(session, handler, fresh, attempt)
@@ -226,20 +286,51 @@ class BatchRunner:
             previous = None
             if self._postgres:
                 previous = (await session.execute(_BOUND_LOCKS, {"t": _ROW_LOCK_WAIT})).one()[0]
-            for item in fresh:
-                try:
-                    verdicts[id(item)] = await self._savepoint(session, handler, item, attempt)
-                except _Defer:
-                    item.deferred = True
-                    verdicts[id(item)] = COMMITTED  # a placeholder: it runs again on its own
-                    if handler.inbox:
-                        await inbox.unmark(session, item.message_id, consumer)
-                    continue
-                if verdicts[id(item)] is not COMMITTED and handler.inbox:
-                    await inbox.unmark(session, item.message_id, consumer)
+            if shared:
+                await self._shared(session, handler, fresh, attempt)
+                verdicts.update((id(item), COMMITTED) for item in fresh)
+            else:
+                verdicts.update(await self._savepoints(session, handler, fresh, attempt))
             if previous is not None:
                 await session.execute(_RESTORE_LOCKS, {"t": previous})
-        return [verdicts[id(item)] for item in items]
+        return [verdicts[id(item)] for item in all_items]
+
+    def _judged(
+        self,
+        handler: Handler[Any],
+        items: list[Item],
+        attempt: int,
+        failed_alone: dict[int, Exception],
+    ) -> dict[int, Verdict]:
+        """Verdicts for the items a shared pass saw fail on their own, from that failure."""
+        verdicts: dict[int, Verdict] = {}
+        for item in items:
+            error = failed_alone.get(id(item))
+            if error is None:
+                continue
+            try:
+                verdicts[id(item)] = self._judge(item, handler, attempt, error)
+            except _Defer:
+                item.deferred = True
+                verdicts[id(item)] = COMMITTED  # a placeholder: it runs again on its own
+        return verdicts
+
+    async def _savepoints(
+        self, session: PumpSession, handler: Handler[Any], items: list[Item], attempt: int
+    ) -> dict[int, Verdict]:
+        """Each message in a savepoint of its own: its failure rolls back only its writes
+        and its marker; one that lost to another writer is deferred."""
+        verdicts: dict[int, Verdict] = {}
+        for item in items:
+            try:
+                verdict = await self._savepoint(session, handler, item, attempt)
+            except _Defer:
+                item.deferred = True
+                verdict = COMMITTED  # a placeholder: it runs again on its own
+            verdicts[id(item)] = verdict
+            if (item.deferred or verdict is not COMMITTED) and handler.inbox:
+                await inbox.unmark(session, item.message_id, handler.consumer)
+        return verdicts
 
     async def _call_batch(
         self, session: PumpSession, handler: Handler[Any], items: list[Item], attempt: int
@@ -257,6 +348,38 @@ class BatchRunner:
         )
         messages = [item.message(handler) for item in items]
         await call_handler(handler.batch(context, messages), None, "batch handler")
+
+    async def _shared(
+        self, session: PumpSession, handler: Handler[Any], items: list[Item], attempt: int
+    ) -> None:
+        """An ordinary handler over the batch with no savepoint per message: the happy path.
+
+        A savepoint costs a SAVEPOINT and a RELEASE round trip and a flush per message,
+        most of a batched ORM handler's time. So the batch's messages first run one after
+        another in the batch's transaction, with one flush at the end; any failure but the
+        transaction's own raises :class:`_Isolate`, and the batch runs again on a fresh
+        session with one savepoint per message, where each failure is judged as its own.
+        """
+        item = None
+        try:
+            for item in items:
+                delivery = item.delivery
+                context = Context(
+                    session,
+                    item.message_id,
+                    handler.consumer,
+                    delivery.delivery_count,
+                    attempt,
+                    delivery.headers,
+                )
+                await call_handler(handler.func(context, item.message(handler)), None)
+            item = None
+            await session.flush()  # inside the bounded row-lock wait, as a savepoint's is
+        except Exception as exc:
+            failed = failure_of(exc)
+            if failed in _WHOLE or failed.environment:
+                raise
+            raise _Isolate(item if _own(exc) else None, exc) from exc
 
     async def _savepoint(
         self, session: PumpSession, handler: Handler[Any], item: Item, attempt: int

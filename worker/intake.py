@@ -18,10 +18,12 @@ One reader task takes deliveries from the broker and, for each:
    suspect, and runs as any other delivery;
 3. in batch mode, puts a delivery that may share a transaction into its bucket
    (one per message type and delivery group); a key belongs to one open bucket at a
-   time, and a group's open bucket is cut as soon as a delivery of another type, or
-   one that must run on its own, arrives in that group, so a partition's records
-   still run in offset order. A bucket is handed out full, or when its oldest
-   delivery has waited ``WORKER_BATCH_WAIT``;
+   time (a delivery whose key a running batch holds waits for it before it joins one,
+   unless it has a group: then it joins its group's bucket, which waits for the key),
+   and a group's open bucket is cut as soon as a delivery of another type, or one that
+   must run on its own, arrives in that group, so a partition's records still run in
+   offset order. A bucket is handed out full, or by a timer once its first delivery
+   has waited ``WORKER_BATCH_WAIT``;
 4. hands the unit of work out through its lanes: work holds its key and its delivery
    group while it runs, and work that shares one waits behind it, in arrival order.
    One key may park at most ``concurrency`` (batch mode: a batch) deliveries: the
@@ -72,12 +74,11 @@ is still there (hung work, which WORKER_HANDLER_TIMEOUT bounds) rather than halt
 class _Bucket:
     """Deliveries of one type and group filling one batch."""
 
-    __slots__ = ("by_id", "deadline", "group", "items", "lanes", "type")
+    __slots__ = ("by_id", "group", "items", "lanes", "type")
 
-    def __init__(self, message_type: str, group: Hashable, deadline: float) -> None:
+    def __init__(self, message_type: str, group: Hashable) -> None:
         self.type = message_type
         self.group = group
-        self.deadline = deadline
         self.items: list[Item] = []
         self.by_id: dict[str, Item] = {}
         self.lanes: set[Lane] = set()
@@ -127,7 +128,7 @@ class Intake:
         self._running: set[Work] = set()
         self._running_ids: Counter[str] = Counter()  # message ids in the running work
         self._suspect: Work | None = None  # the suspect running alone
-        self._seeds = 0  # deliveries waiting for their key before they join a bucket
+        self._arrivals = 0  # deliveries taken so far: each item's place in arrival order
         self._changed = asyncio.Event()
         self._turned_away: set[asyncio.Task[None]] = set()
         self._stopping = False
@@ -167,6 +168,12 @@ class Intake:
         waiting: list[Work] = []
         for lane in work.lanes:
             waiting.extend(self._lanes.pop(lane, ()))
+        if work.items[0].delivery.group is not None:
+            # Work parks behind the first busy lane it needs: what waited in different
+            # lanes of this work goes again in the order it arrived, so a group's work
+            # keeps its order. (Without groups, each key's lane is in order already, and
+            # a key's seeds going on together fill batches with that key.)
+            waiting.sort(key=_arrival)
         for item in again:
             self._admit(self._single(item, work.handlers))
         for parked in waiting:
@@ -197,12 +204,8 @@ class Intake:
         """Receive until cancelled; the only caller of ``broker.receive``."""
         while not self._stopping:
             await self._health.wait_available()
-            self._release_ripe(time.monotonic())
-            try:
-                async with asyncio.timeout(self._next_deadline()):
-                    delivery = await self._broker.receive()
-            except TimeoutError:
-                continue
+            try:  # no timeout here: a bucket ripens on a timer of its own (_bucket)
+                delivery = await self._broker.receive()
             except Exception as exc:  # an adapter bug must not silently stop intake
                 self._log.error("receive failed", error=exc)
                 await asyncio.sleep(1.0)
@@ -232,6 +235,7 @@ class Intake:
     async def _take(self, delivery: Delivery) -> None:
         handlers = self._handlers(delivery)
         item, refused = self._prepare(delivery, handlers)
+        item.arrival = self._arrivals = self._arrivals + 1
         if refused is not None:
             item.verdict = refused
             self._ready.put_nowait(Work([item]))
@@ -345,11 +349,8 @@ class Intake:
             waiting.append(work)
             if fresh:
                 self._stats["parked"] += 1
-                self._seeds += work.seed
             return
         if work.seed:  # a delivery that waited for its key: now it joins a bucket
-            if not fresh:
-                self._seeds -= 1
             self._bucket(work.items[0], work.handlers)
             return
         for lane in work.lanes:
@@ -390,15 +391,20 @@ class Intake:
             current = self._open.get(("group", group))
             if current is not None and current.type != message_type:
                 self._release(current)  # a partition's records run in offset order
-        if key_lane is not None and holder is None and key_lane in self._lanes:
-            # the key runs elsewhere now: wait behind it, then join a bucket
+        if key_lane is not None and holder is None and key_lane in self._lanes and group is None:
+            # The key runs elsewhere now: wait behind it, then join a bucket. (A delivery
+            # of a group joins its group's bucket at once, which then waits for the key:
+            # the group's later deliveries must not overtake it.)
             seed = Work([item], handlers, lanes=frozenset({key_lane}), seed=True)
             self._admit(seed, fresh=True)
             return
         bucket = self._buckets.get((message_type, group))
         if bucket is None:
-            bucket = _Bucket(message_type, group, time.monotonic() + self._wait)
+            bucket = _Bucket(message_type, group)
             self._buckets[message_type, group] = bucket
+            # ripe after WORKER_BATCH_WAIT, whoever opened it (the reader, or a worker
+            # whose key a waiting delivery needed) and whatever the reader waits for
+            asyncio.get_running_loop().call_later(self._wait, self._release, bucket)
             if group is not None:
                 self._open["group", group] = bucket
         first = bucket.by_id.get(item.message_id)
@@ -434,18 +440,9 @@ class Intake:
             handlers = self._registry.for_type(bucket.type)
         self._admit(Work(bucket.items, handlers, batch=True, lanes=frozenset(lanes)))
 
-    def _release_ripe(self, now: float) -> None:
-        for bucket in [b for b in self._buckets.values() if b.deadline <= now]:
-            self._release(bucket)
 
-    def _next_deadline(self) -> float | None:
-        """How long the reader may wait for a delivery. In batch mode never longer than a
-        bucket's wait: a worker may open a bucket meanwhile (a delivery that waited for
-        its key joins one when the key is free), and that bucket ripens on time too."""
-        if not self._buckets:
-            return self._wait if self._seeds else None
-        earliest = min(bucket.deadline for bucket in self._buckets.values())
-        return max(0.0, earliest - time.monotonic())
+def _arrival(work: Work) -> int:
+    return work.items[0].arrival
 
 
 def _with_twins(items: list[Item]) -> Iterator[Item]:

@@ -31,6 +31,7 @@ class Item:
     """One delivery inside a unit of work, and where its handlers left it."""
 
     __slots__ = (
+        "arrival",
         "consumer",
         "counted",
         "deferred",
@@ -50,6 +51,7 @@ class Item:
         self.counted: str | None = None  # the consumer whose durable count this start moved
         self.twins: list[Item] = []  # later deliveries of the same id in one batch
         self.deferred = False  # lost to another writer inside a batch: runs again on its own
+        self.arrival = 0  # its place in the order intake took deliveries
 
     @property
     def message_id(self) -> str:

@@ -12,18 +12,21 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
-from sqlalchemy import Numeric, bindparam, select, text
+from sqlalchemy import Numeric, bindparam, event, select, text
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from handlers.credit import Account, CreditRequested, apply_credit
-from tests.support.pumps import MakeSettings, RunPumps
+from tests.support.pumps import MakeSettings, RunPumps, running_pump
 from tests.support.waiting import wait_for
 from worker.brokers.memory import MemoryBroker, MemoryConsumer
 from worker.delivery import Delivery
 from worker.errors import ConfigurationError, Poison, PreconditionFailed
 from worker.inbox import InboxMarker
+from worker.middleware import NextWork
 from worker.registry import BatchContext, Context, Registry
 from worker.settings import Settings, load, unknown_variables
+from worker.work import Work
 
 ACCOUNTS = 40
 
@@ -112,6 +115,95 @@ async def test_two_batch_pumps_apply_every_credit_once(
     assert all(verb == "ack" for verb, _, _ in broker.history)
 
 
+# -- keyed handlers: key-affinity batches ------------------------------------------------
+
+
+class KeySpans:
+    """A work middleware: the keys of every unit of work a worker ran, and when it ran."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[frozenset[Any], float, float]] = []
+
+    async def __call__(self, work: Work, call_next: NextWork) -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            await call_next(work)
+        finally:
+            keys = frozenset(item.key for item in work.items)
+            self.spans.append((keys, started, loop.time()))
+
+
+async def test_keyed_handlers_batch_by_key_in_arrival_order_in_one_transaction(
+    engine: AsyncEngine, make_settings: MakeSettings
+) -> None:
+    """The shipped handler's shape (ORM read-modify-write, keyed by account) in batch
+    mode: same-key deliveries share a batch, in arrival order, in the batch's session
+    (with no savepoint of their own while nothing fails: the shared pass), where the
+    identity map hands each credit the row the one before it changed (one read per key
+    and batch, no conflict); batches running at the same time hold disjoint keys."""
+    keys, per_key = 8, 8
+    async with engine.begin() as connection:  # rows exist: a read per key, never an insert
+        for k in range(keys):
+            await connection.execute(text(f"INSERT INTO accounts VALUES ('acct-{k}', 0, 1)"))
+    calls: list[tuple[Any, str, int, bool]] = []  # (session, key, sequence, in a savepoint)
+    rows: dict[tuple[int, str], Account] = {}
+    registry = Registry()
+
+    @registry.handler("Credit", CreditRequested, consumer="credit", key=lambda m: m.account_id)
+    async def credit(ctx: Context, message: CreditRequested) -> None:
+        session, key = ctx.session, message.account_id
+        calls.append((session, key, int(ctx.message_id[2:]), session.in_nested_transaction()))
+        await apply_credit(ctx, message)
+        account = await session.get_one(Account, key)  # the identity map: no statement
+        first = rows.setdefault((id(session), key), account)
+        assert first is account
+        await asyncio.sleep(0.005)  # long enough for the other workers' batches to overlap
+
+    reads: list[str] = []
+
+    def count_reads(_c: Any, _cur: Any, statement: str, *_: Any) -> None:
+        if statement.lstrip().upper().startswith("SELECT") and "FROM accounts" in statement:
+            reads.append(statement)
+
+    event.listen(engine.sync_engine, "before_cursor_execute", count_reads)
+    broker = MemoryBroker()
+    for n in range(keys * per_key):
+        broker.publish(f"m-{n}", "Credit", body(f"acct-{n % keys}", "1.00"))
+    spans = KeySpans()
+    settings = make_settings(batch_size=8, batch_wait=0.05, concurrency=3)
+    try:
+        async with running_pump(
+            broker.connect(), engine, registry, settings, middleware=[spans]
+        ) as pump:
+            await broker.wait_idle(30)
+    finally:
+        event.remove(engine.sync_engine, "before_cursor_execute", count_reads)
+    assert await balances(engine) == {f"acct-{k}": Decimal(per_key) for k in range(keys)}
+    assert sorted(broker.history) == sorted(("ack", f"m-{n}", 1) for n in range(keys * per_key))
+    assert pump.stats["batch-deferred"] == pump.stats["batch-fallback"] == 0
+    assert not any(name.startswith("retried-") for name in pump.stats)  # no conflict at all
+    # nothing failed: no savepoint per delivery; a key's credits in arrival order
+    assert not any(nested for *_, nested in calls)
+    assert pump.stats["batch-isolated"] == 0
+    for k in range(keys):
+        sequence = [n for _, key, n, _ in calls if key == f"acct-{k}"]
+        assert sequence == sorted(sequence) == list(range(k, keys * per_key, keys))
+    sessions: dict[int, list[str]] = defaultdict(list)
+    for session, key, _, _ in calls:
+        sessions[id(session)].append(key)
+    batched = [ks for ks in sessions.values() if len(ks) > len(set(ks))]
+    assert batched, "no batch held two deliveries of one key"
+    # one read per key and batch: the second credit of a key took the row from the map
+    assert len(reads) == sum(len(set(ks)) for ks in sessions.values())
+    # batches that ran at the same time held disjoint keys (and some did run at once)
+    overlapping = [
+        (a, b) for a, b in itertools.combinations(spans.spans, 2) if a[1] < b[2] and b[1] < a[2]
+    ]
+    assert overlapping, "no two batches ran at once: the check below proves nothing"
+    assert all(not (a[0] & b[0]) for a, b in overlapping)
+
+
 async def test_a_deferred_message_takes_its_twin_along(
     engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
@@ -142,12 +234,12 @@ async def test_a_deferred_message_takes_its_twin_along(
 # -- one message's failure stays its own ------------------------------------------------
 
 
-def failing_registry(sessions: list[int]) -> Registry:
+def failing_registry(sessions: list[Any]) -> Registry:
     registry = Registry()
 
     @registry.handler("Credit", CreditRequested, consumer="credit")
     async def credit(ctx: Context, message: CreditRequested) -> None:
-        sessions.append(id(ctx.session))
+        sessions.append(ctx.session)  # kept alive: an id() could be reused
         await apply_credit(ctx, message)  # written first, so a rollback has something to undo
         account = message.account_id
         if account == "poison":
@@ -172,12 +264,19 @@ async def test_failures_inside_a_batch_stay_their_own(
     broker = MemoryBroker()
     for n, account in enumerate(["ok-1", "poison", "fails", "order", "ok-2"]):
         broker.publish(f"m-{account}", "Credit", body(account, f"{n + 1}.00"))
-    sessions: list[int] = []
+    sessions: list[Any] = []
     async with run_pumps([broker.connect()], [engine], failing_registry(sessions), settings) as [
         pump
     ]:
         await broker.wait_idle(20)
-    assert len(set(sessions[:5])) == 1  # the first round shared one transaction
+    # A shared pass stops at a failure: the first at poison (judged on that failure, not
+    # run again), the second at fails; then the other four ran in savepoints of one
+    # transaction, each failure its own.
+    first, second, third = sessions[0], sessions[2], sessions[4]
+    assert sessions[1] is first and sessions[3] is second
+    assert first is not second and second is not third and third is not first
+    assert all(session is third for session in sessions[4:8])
+    assert pump.stats["batch-isolated"] == 2
     assert await balances(engine) == {"ok-1": Decimal("1.00"), "ok-2": Decimal("5.00")}
     assert set(await marker_counts(engine)) == {"m-ok-1", "m-ok-2"}
     assert history(broker, "m-ok-1") == [("ack", 1)]
@@ -190,6 +289,40 @@ async def test_failures_inside_a_batch_stay_their_own(
     assert "RuntimeError: boom" in reasons["m-fails"]
     assert "IntegrityError" in reasons["m-order"]
     assert pump.stats["batch-fallback"] == 0  # handled inside the batch, not by falling back
+
+
+async def test_a_write_flushed_late_in_the_shared_pass_fails_its_own_message(
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
+) -> None:
+    """In the shared pass a message's pending write is flushed by the next message's
+    query, so the database error shows in the next handler, which may wrap it in an
+    error of its own. That error is not the next message's: the batch goes round with a
+    savepoint each, where the write fails in the message that made it."""
+    async with engine.begin() as connection:
+        await connection.execute(text("INSERT INTO accounts VALUES ('taken', 0, 1)"))
+    registry = Registry()
+
+    @registry.handler("Credit", CreditRequested, consumer="credit")
+    async def credit(ctx: Context, message: CreditRequested) -> None:
+        if message.account_id == "taken":  # a new account that is not new: fails at a flush
+            ctx.session.add(Account(id="taken", balance=message.amount, version=1))
+            return
+        try:
+            await ctx.session.scalars(select(Account).where(Account.id == message.account_id))
+        except IntegrityError as exc:
+            raise RuntimeError("could not look the account up") from exc
+        await apply_credit(ctx, message)
+
+    settings = make_settings(batch_size=2, batch_wait=0.5, concurrency=1, max_deliveries=1)
+    broker = MemoryBroker()
+    broker.publish("m-taken", "Credit", body("taken", "5.00"))
+    broker.publish("m-free", "Credit", body("free", "1.00"))
+    async with run_pumps([broker.connect()], [engine], registry, settings) as [pump]:
+        await broker.wait_idle(20)
+    assert history(broker, "m-free") == [("ack", 1)]  # not blamed for the other's write
+    assert history(broker, "m-taken") == [("dead-letter", 1)]
+    assert await balances(engine) == {"taken": Decimal(0), "free": Decimal(1)}
+    assert pump.stats["batch-isolated"] == 1
 
 
 # -- whole-transaction failures: retry once, then one at a time ---------------------------
@@ -239,14 +372,16 @@ async def test_a_savepoint_that_loses_a_deadlock_runs_again_on_its_own(
 
     engine = create_engine(postgres_only_url, pool_size=5)
     lost: set[str] = set()
-    sessions: dict[str, list[int]] = defaultdict(list)
+    sessions: dict[str, list[Any]] = defaultdict(list)
     registry = Registry()
 
     @registry.handler("Credit", CreditRequested, consumer="credit")
     async def credit(ctx: Context, message: CreditRequested) -> None:
-        sessions[ctx.message_id].append(id(ctx.session))
+        sessions[ctx.message_id].append(ctx.session)  # kept alive: ids could be reused
         await apply_credit(ctx, message)
-        if ctx.message_id == "m-2" and "m-2" not in lost:
+        # m-2 loses in the shared pass (the batch goes round with savepoints) and in its
+        # savepoint (it is deferred), then wins on its own
+        if ctx.message_id == "m-2" and len(sessions["m-2"]) < 3:
             lost.add("m-2")
             await ctx.session.execute(
                 text("DO $$ BEGIN RAISE EXCEPTION 'deadlock' USING ERRCODE = '40P01'; END $$")
@@ -263,8 +398,11 @@ async def test_a_savepoint_that_loses_a_deadlock_runs_again_on_its_own(
             await broker.wait_idle(20)
         assert sorted(broker.history) == [("ack", f"m-{n}", 1) for n in range(4)]
         assert await balances(engine) == {f"acct-{n}": Decimal(1) for n in range(4)}
-        assert len(sessions["m-2"]) == 2 and sessions["m-2"][0] == sessions["m-0"][0]
+        shared, savepoints, alone = sessions["m-2"]  # and once more on its own
+        assert sessions["m-0"] == [shared, savepoints] and shared is not savepoints
+        assert alone is not savepoints and alone is not shared
         assert pump.stats["batch-deferred"] == 1 and pump.stats["batch-fallback"] == 0
+        assert pump.stats["batch-isolated"] == 1
     finally:
         await engine.dispose()
 
@@ -401,6 +539,37 @@ async def test_a_batch_keeps_to_one_group_in_receive_order_and_stores_each_commi
     ]  # each committed delivery's hook ran in its commit, once; the failed one's did not
     assert [d.message.message_id for d in broker.dead_letters] == ["m-7"]
     assert await balances(engine) == {"a": Decimal(11)}
+
+
+async def test_keyed_batches_keep_each_group_in_receive_order(
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
+) -> None:
+    """A keyed handler in batch mode on a partitioned transport: a record whose key a
+    running batch of its partition holds must not fall behind the partition's later
+    records (a Kafka partition runs in offset order, whatever the keys)."""
+    order: list[tuple[int, int]] = []  # (group, sequence) in the order the handler ran them
+    registry = Registry()
+
+    @registry.handler("Credit", CreditRequested, consumer="credit", key=lambda m: m.account_id)
+    async def credit(ctx: Context, message: CreditRequested) -> None:
+        order.append((ctx.headers["p"], int(ctx.message_id[2:])))
+        await apply_credit(ctx, message)
+        await asyncio.sleep(0.002)
+
+    broker = MemoryBroker()
+    stored: list[str] = []
+    total = 48
+    for n in range(total):  # keys k0, k2, k4 in group 0; k1, k3, k5 in group 1
+        broker.publish(f"m-{n}", "Credit", body(f"k{n % 6}", "1"), {"p": n % 2})
+    settings = make_settings(batch_size=4, batch_wait=0.02, concurrency=2)
+    consumer = PartitionedConsumer(broker, stored)
+    broker.consumers.append(consumer)
+    async with run_pumps([consumer], [engine], registry, settings):
+        await broker.wait_idle(30)
+    for group in (0, 1):
+        sequence = [n for g, n in order if g == group]
+        assert sequence == list(range(group, total, 2)), f"group {group} out of order"
+    assert await balances(engine) == {f"k{k}": Decimal(total // 6) for k in range(6)}
 
 
 async def test_what_batch_mode_leaves_to_the_per_message_path(

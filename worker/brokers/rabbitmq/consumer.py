@@ -33,9 +33,9 @@ import contextlib
 import random
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 import aio_pika
 from aio_pika.abc import (
@@ -74,6 +74,7 @@ from worker.errors import SettlementLost
 from worker.logs import get_logger
 
 _MAX_REASON = 2000
+_Callback = Callable[[AbstractIncomingMessage], Awaitable[None]]
 _LOST_EVENTS = {"ack": "acks_lost", "nack": "nacks_lost", "dead-letter": "dead_letters_lost"}
 _HOLD_FIRST_DELAY = 0.5  # seconds before a refused copy is tried again, doubling
 _HOLD_MAX_DELAY = 30.0
@@ -136,6 +137,7 @@ class RabbitMQConsumer:
         # A tag leaves once its settling frame went out, never before.
         self._unsettled: dict[int, None] = {}
         self._strict = True  # Q was declared at-least-once (False: an earlier version's Q)
+        self._returning: set[asyncio.Task[None]] = set()  # deliveries that raced the cancel
 
     @property
     def ready(self) -> bool:
@@ -184,7 +186,10 @@ class RabbitMQConsumer:
             connection.reconnect_callbacks.add(self._on_restored)
             # before basic.consume: the first deliveries may arrive before it returns
             self._connected = self._consuming = True
-            self._consumer_tag = await self._queue.consume(self._on_message, no_ack=False)
+            # aio-pika runs a plain callback without a task per delivery (its tools.create_task)
+            # though its annotation asks for an awaitable one
+            on_message = cast("_Callback", self._on_message)
+            self._consumer_tag = await self._queue.consume(on_message, no_ack=False)
         except CONNECTION_LOST as exc:
             await self.close()
             raise start_failure(settings, exc) from None
@@ -214,8 +219,8 @@ class RabbitMQConsumer:
             self._consumer_tag = None
         while not self._buffer.empty():  # taken from the queue, never started: not counted
             handle, _ = self._buffer.get_nowait()
-            with contextlib.suppress(SettlementLost):
-                await self._return_unstarted(handle)
+            await self._return_unstarted(handle)
+        await asyncio.gather(*self._returning, return_exceptions=True)
 
     async def close(self) -> None:
         self._consuming = False
@@ -227,13 +232,15 @@ class RabbitMQConsumer:
 
     # -- connection state (aio-pika callbacks) -------------------------------------
 
-    async def _on_message(self, message: AbstractIncomingMessage) -> None:
+    def _on_message(self, message: AbstractIncomingMessage) -> None:
+        # Not a coroutine: aio-pika then calls it without a task of its own per delivery.
         count = delivery_count(message)
         handle = _Handle(message, count, self._generation)
         self._unsettled[handle.tag] = None
         if not self._consuming:  # raced with basic.cancel: give it straight back, uncounted
-            with contextlib.suppress(SettlementLost):
-                await self._return_unstarted(handle)
+            task = asyncio.get_running_loop().create_task(self._return_unstarted(handle))
+            self._returning.add(task)
+            task.add_done_callback(self._returning.discard)
             return
         try:
             message_id = self.identity(message)
@@ -353,12 +360,24 @@ class RabbitMQConsumer:
         else:
             run = []
         covered = {id(h) for h in run}
-        for handle in handles:
-            if id(handle) not in covered:
-                try:
-                    await self.ack(handle)
-                except SettlementLost:
-                    lost.append(handle)
+        lost.extend(await self._ack_each([h for h in handles if id(h) not in covered]))
+        return lost
+
+    async def _ack_each(self, handles: Sequence[_Handle]) -> list[_Handle]:
+        """Single acks for what a multiple-ack could not cover, bounded together (one
+        timeout, not one per delivery); once the channel fails, the rest are lost too."""
+        live = [h for h in handles if h.generation == self._generation]
+        lost = [h for h in handles if h.generation != self._generation]
+        sent = 0
+        try:
+            async with asyncio.timeout(self.settings.settle_timeout):
+                for handle in live:
+                    await handle.message.ack()
+                    self._settled(handle)
+                    sent += 1
+        except CONNECTION_LOST:
+            lost.extend(live[sent:])
+        self.stats["acks_lost"] += len(lost)
         return lost
 
     def keep_alive(self, handle: _Handle, seconds: float) -> None:
@@ -376,10 +395,12 @@ class RabbitMQConsumer:
         self.stats["nacks_immediate" if level is None else "nacks_delayed"] += 1
 
     async def _return_unstarted(self, handle: _Handle) -> None:
-        """Taken from the queue, never started: back at once, its give-backs as they were."""
-        await self._give_back_copy(handle, 0.0, False, handle.give_backs)
-        self.stats["nacks_immediate"] += 1
-        self.stats["returned_unstarted"] += 1
+        """Taken from the queue, never started: back at once, its give-backs as they were
+        (a lost settlement needs nothing: RabbitMQ requeues what a lost channel held)."""
+        with contextlib.suppress(SettlementLost):
+            await self._give_back_copy(handle, 0.0, False, handle.give_backs)
+            self.stats["nacks_immediate"] += 1
+            self.stats["returned_unstarted"] += 1
 
     async def _give_back_copy(
         self, handle: _Handle, delay: float | None, counted: bool, uncounted_give_backs: int

@@ -1,0 +1,315 @@
+"""Latency at a steady rate: the delay from publish to commit, per consumer, in one table.
+
+    python -m benchmarks.latency [--seconds 20] [--runs 3] [--rate 500]
+
+For each consumer (the rows below) and each rate, ONE consumer process (concurrency 32)
+takes ``CreditRequested`` deliveries over 100 accounts that this process publishes to
+RabbitMQ at a steady rate for ``--seconds``; PostgreSQL holds the inbox. The delay of a
+message is from the moment it was handed to the publishing channel to the moment its
+inbox marker's transaction committed, seen as a ``NOTIFY`` that a statement trigger on
+the inbox table sends with the ids it inserted (PostgreSQL delivers a notification at
+its transaction's commit, and drops it with a rollback), so every consumer is timed by
+the same clock and pays the same trigger. The first two seconds are a warm-up and not
+counted. Rates: ``--rate`` (500/s) and half of the consumer's own maximum, measured in
+the same run by draining 3,000 queued deliveries first (benchmarks/throughput.py's run).
+
+Rows: the hand-written aio-pika + asyncpg inbox consumer of benchmarks/throughput.py;
+``worker run`` with the shipped keyed handler per message; the same in batch mode at
+``WORKER_BATCH_SIZE=32`` with the default ``WORKER_BATCH_WAIT``; and the set-based
+batch handler. Rows alternate inside each of ``--runs`` rounds; medians are printed.
+A consumer that cannot keep up shows it: the rate it reached is printed next to p50,
+p99 and the maximum, and a backlog makes its delays grow for the whole run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import aio_pika
+import asyncpg  # type: ignore[import-untyped]
+import httpx
+
+from benchmarks.hot_rows import patiently, prepare, throwaway_vhost
+from benchmarks.rabbitmq_vs_handwritten import admin_sql, cleanup
+from benchmarks.throughput import (
+    AMOUNT,
+    BASELINE,
+    SET_BASED,
+    SHIPPED,
+    SHIPPED_BATCH,
+    Row,
+    consumer_env,
+    run_disturbed,
+    spawn,
+)
+from tests.support.processes import free_port
+from tests.support.rabbitmq import guest_url
+from worker.brokers.rabbitmq import RabbitMQSettings, declare_topology
+from worker.db import create_engine
+from worker.migrate import upgrade
+
+ROWS = (
+    BASELINE,
+    replace(SHIPPED, label="worker per message, shipped ORM handler (keyed)"),
+    replace(SHIPPED_BATCH, label="worker batch 32, shipped ORM handler, default wait"),
+    replace(SET_BASED, label="worker batch 32, set-based handler, default wait"),
+)
+WARM_UP = 2.0
+TICK = 0.005
+CHANNEL = "bench_commit"
+TRIGGER = f"""
+CREATE OR REPLACE FUNCTION bench_notify_commit() RETURNS trigger AS $$
+BEGIN
+    PERFORM pg_notify('{CHANNEL}', string_agg(message_id, ',')) FROM fresh;
+    RETURN NULL;
+END $$ LANGUAGE plpgsql;
+CREATE TRIGGER bench_notify_commit AFTER INSERT ON inbox
+    REFERENCING NEW TABLE AS fresh FOR EACH STATEMENT EXECUTE FUNCTION bench_notify_commit();
+"""
+
+
+@dataclass
+class Timing:
+    rate: float  # the rate asked for
+    reached: float = 0.0  # deliveries committed per second while publishing
+    p50: float | None = None  # ms
+    p99: float | None = None
+    worst: float | None = None
+    lost: int = 0  # published, never seen committed
+    problem: str = ""
+
+
+@dataclass
+class Watch:
+    """Publish times and commit times by message id, in this process's monotonic clock."""
+
+    sent: dict[str, float] = field(default_factory=dict)
+    committed: dict[str, float] = field(default_factory=dict)
+
+    def on_notify(self, _connection: object, _pid: int, _channel: str, payload: str) -> None:
+        now = time.monotonic()
+        for message_id in payload.split(","):
+            self.committed.setdefault(message_id, now)
+
+
+async def publish_steadily(
+    rabbit: RabbitMQSettings, row: Row, rate: float, args: argparse.Namespace, watch: Watch
+) -> None:
+    """``rate`` deliveries a second for ``seconds``: each tick sends what is due by then."""
+    connection = await aio_pika.connect(rabbit.url)
+    try:
+        channel = await connection.channel(publisher_confirms=False)
+        exchange = await channel.get_exchange(rabbit.exchange, ensure=False)
+        started = time.monotonic()
+        counter = itertools.count()
+        sent = 0
+        tag = rabbit.queue
+        while (elapsed := time.monotonic() - started) < args.seconds:
+            due = int(elapsed * rate) - sent
+            for _ in range(due):
+                n = next(counter)
+                message_id = f"{tag}-{n}"
+                body = f'{{"account_id": "acct-{n % args.accounts}", "amount": "{AMOUNT}"}}'
+                message = aio_pika.Message(
+                    body.encode(),
+                    message_id=message_id,
+                    type=row.message_type,
+                    content_type="application/json",
+                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                )
+                watch.sent[message_id] = time.monotonic()
+                await exchange.publish(message, routing_key=row.message_type)
+            sent += max(due, 0)
+            await asyncio.sleep(TICK)
+    finally:
+        await connection.close()
+
+
+async def timed(row: Row, rate: float, args: argparse.Namespace, vhost: str, logs: Path) -> Timing:
+    """One consumer at one steady rate."""
+    tag = f"lat-{uuid.uuid4().hex[:6]}"
+    rabbit = RabbitMQSettings(url=guest_url(vhost), queue=tag, exchange=f"{tag}.in")
+    port = free_port()
+    env = consumer_env(row, args, rabbit, port, expect=10**9)
+    db = create_engine(args.database_url, pool_size=1, max_overflow=0)
+    try:
+        await prepare(db, args.accounts)
+    finally:
+        await db.dispose()
+    connection = await aio_pika.connect(rabbit.url)
+    try:
+        await declare_topology(await connection.channel(), rabbit)
+    finally:
+        await connection.close()
+    timing = Timing(rate)
+    watch = Watch()
+    listener = await asyncpg.connect(args.database_url.replace("postgresql+asyncpg", "postgresql"))
+    await listener.add_listener(CHANNEL, watch.on_notify)
+    process = spawn(row, env, logs / f"{tag}.log")
+    try:
+        await until_ready(process, row, port)
+        began = time.monotonic()
+        await publish_steadily(rabbit, row, rate, args, watch)
+        for _ in range(600):  # the stragglers: 30 s at most
+            if len(watch.committed) >= len(watch.sent):
+                break
+            await asyncio.sleep(0.05)
+        measured(timing, watch, began, args.seconds)
+    except (OSError, RuntimeError, TimeoutError) as exc:
+        timing.problem = f"{type(exc).__name__}: {exc}"[:200]
+    finally:
+        process.signal(signal.SIGTERM)
+        try:
+            await asyncio.to_thread(process.wait, 30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        await listener.close()
+        await patiently("deleting the queues", lambda: cleanup(rabbit))
+    return timing
+
+
+def measured(timing: Timing, watch: Watch, began: float, seconds: float) -> None:
+    counted = [m for m, at in watch.sent.items() if at - began >= WARM_UP]
+    delays = sorted(
+        (watch.committed[m] - watch.sent[m]) * 1000 for m in counted if m in watch.committed
+    )
+    timing.lost = len(watch.sent) - len(watch.committed)
+    inside = [at for at in watch.committed.values() if began + WARM_UP <= at <= began + seconds]
+    timing.reached = len(inside) / max(seconds - WARM_UP, 0.001)
+    if delays:
+        timing.p50 = delays[len(delays) // 2]
+        timing.p99 = delays[min(len(delays) - 1, int(len(delays) * 0.99))]
+        timing.worst = delays[-1]
+    if timing.lost:
+        timing.problem = f"{timing.lost} never committed within 30 s of the last publish"
+
+
+async def until_ready(process: object, row: Row, port: int, seconds: float = 60) -> None:
+    from tests.support.processes import WorkerProcess
+
+    assert isinstance(process, WorkerProcess)
+    deadline = time.monotonic() + seconds
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if process.process.poll() is not None:
+                raise RuntimeError(f"{row.label}: exited before it was ready")
+            if process.logged("pump started"):
+                if row.serve:
+                    return
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(f"http://127.0.0.1:{port}/readyz")).status_code == 200:
+                        return
+            await asyncio.sleep(0.05)
+    raise TimeoutError(f"{row.label}: not ready within {seconds:.0f}s")
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def report(results: dict[tuple[str, str], list[Timing]], args: argparse.Namespace) -> None:
+    print(
+        f"\nPublish-to-commit delay, RabbitMQ + PostgreSQL on loopback, 1 consumer process at "
+        f"concurrency {args.concurrency}, {args.seconds:.0f} s per rate ({WARM_UP:.0f} s "
+        f"warm-up not counted); median of {args.runs} runs, rows alternating\n"
+    )
+    header = ("consumer", "rate", "reached/s", "p50 ms", "p99 ms", "max ms")
+    widths = (52, 16, 9, 7, 7, 8)
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for (label, which), timings in results.items():
+        rate = _median([t.rate for t in timings])
+        cells = [
+            label,
+            f"{rate:.0f}/s ({which})" if rate else which,
+            f"{_median([t.reached for t in timings]) or 0:.0f}",
+            *(
+                f"{v:.1f}" if (v := _median([getattr(t, k) for t in timings])) is not None else "-"
+                for k in ("p50", "p99", "worst")
+            ),
+        ]
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |")
+    problems = [
+        f"  {k[0]} ({k[1]}): {t.problem}" for k, ts in results.items() for t in ts if t.problem
+    ]
+    if problems:
+        print("problems:\n" + "\n".join(problems))
+    p99 = {k: _median([t.p99 for t in ts]) for k, ts in results.items()}
+    per_message = p99.get((ROWS[1].label, "fixed"))
+    batched = p99.get((ROWS[2].label, "fixed"))
+    if per_message and batched:
+        ratio = batched / per_message
+        verdict = "met" if ratio <= 2.0 else "missed"
+        print(
+            f"\ntarget: batch p99 at {args.rate:.0f}/s <= 2x per-message p99: "
+            f"{batched:.1f} / {per_message:.1f} ms = {ratio:.2f}x: {verdict}"
+        )
+
+
+async def main(args: argparse.Namespace) -> int:
+    name = f"latency_{uuid.uuid4().hex[:8]}"
+    args.database_url = args.postgres.rsplit("/", 1)[0] + f"/{name}"
+    args.messages, args.timeout, args.profile = 3000, 120.0, ""
+    logs = Path(tempfile.mkdtemp(prefix="latency_"))
+    await admin_sql(args.postgres, f'CREATE DATABASE "{name}"')
+    results: dict[tuple[str, str], list[Timing]] = {}
+    try:
+        await asyncio.to_thread(upgrade, args.database_url)
+        await admin_sql(args.database_url, TRIGGER)
+        db = create_engine(args.database_url, pool_size=1, max_overflow=0)
+        try:
+            async with throwaway_vhost() as vhost:
+                for run in range(args.runs):
+                    for n, row in enumerate(ROWS):
+                        drained = await run_disturbed(row, 0.0, args, db, vhost, logs, run * 10 + n)
+                        half = drained.rate / 2
+                        for which, rate in (("fixed", args.rate), ("half of max", half)):
+                            if not rate:
+                                continue
+                            timing = await timed(row, rate, args, vhost, logs)
+                            results.setdefault((row.label, which), []).append(timing)
+                            print(
+                                f"[{run + 1}/{args.runs}] {row.label} at {rate:.0f}/s "
+                                f"(max {drained.rate:.0f}/s): reached {timing.reached:.0f}/s, "
+                                f"p50 {timing.p50} p99 {timing.p99} max {timing.worst} "
+                                f"{timing.problem}",
+                                flush=True,
+                            )
+        finally:
+            await db.dispose()
+    finally:
+        await admin_sql(args.postgres, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    report(results, args)
+    shutil.rmtree(logs, ignore_errors=True)
+    return 0
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--rate", type=float, default=500.0)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--accounts", type=int, default=100)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument(
+        "--postgres", default="postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
+    )
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main(parse())))
