@@ -167,6 +167,8 @@ def _migrate(settings: Settings, args: argparse.Namespace) -> int:
         wait=args.wait,
         timeout=args.timeout,
         lock_timeout=args.lock_timeout,
+        inbox_layout=settings.inbox_layout,
+        partition_period=settings.partition_period,
     )
 
 
