@@ -173,7 +173,7 @@ def parse_bound(name: str, expression: str) -> Partition:
     return Partition(name, _bound(found.group(1)), _bound(found.group(2)))
 
 
-_LAYOUT = text("SELECT relkind FROM pg_class WHERE oid = to_regclass(:name)")
+_LAYOUT = text("SELECT relkind::text FROM pg_class WHERE oid = to_regclass(:name)")
 _PARTITIONS = text(
     "SELECT c.relname, pg_get_expr(c.relpartbound, c.oid) FROM pg_inherits i "
     "JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = to_regclass(:parent) "
