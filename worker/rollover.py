@@ -149,11 +149,19 @@ async def make_ahead(
         cursor = upper
 
 
-def _drop(name: str) -> list[str]:
-    """Detach ``name``, carry its unfinished claims into the live partitions, drop it."""
+def retire(name: str) -> list[str]:
+    """Statements (one transaction) that detach ``name``, carry its unfinished claims into
+    the live partitions (the third statement) and drop it.
+
+    ACCESS EXCLUSIVE on the parent first: no marker transaction is in flight meanwhile, so
+    a claim is in the old partition or in its new one for every lookup, never in neither;
+    and taking it first, not by upgrading a weaker lock, cannot deadlock with a marker
+    transaction waiting for DEFAULT behind it.
+    """
     return [
         f"LOCK TABLE {partitions.PARENT} IN ACCESS EXCLUSIVE MODE",
         f"ALTER TABLE {partitions.PARENT} DETACH PARTITION {name}",
+        _carry(name),
         f"DROP TABLE {name}",
     ]
 
@@ -173,8 +181,7 @@ async def drop_expired(
     for part in known:
         if part.default or part.upper is None or part.upper + retention > now:
             continue
-        lock, detach, drop = _drop(part.name)
-        results = await _step(connection, [lock, detach, _carry(part.name), drop])
+        results = await _step(connection, retire(part.name))
         if results is None:
             done.postponed.append(f"drop {part.name}")
             continue
