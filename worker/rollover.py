@@ -56,6 +56,7 @@ MAX_AHEAD = 24
 """At most this many partitions made ahead, whatever the period and the interval."""
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _LOCK_NOT_AVAILABLE = "55P03"
+_CHECK_VIOLATION = "23514"  # ATTACH: DEFAULT holds rows of the new partition's range
 _COLUMNS = ", ".join(column.name for column in TABLE.columns)
 _CLAIMED = "lease_until IS NOT NULL AND state = 'claimed'"  # ix_inbox_lease_until
 _RETIRED = f"{partitions.DEFAULT}_retired"
@@ -141,7 +142,14 @@ async def make_ahead(
             cursor = upper  # DEFAULT keeps this period (see the module's docstring)
             continue
         name = partitions.partition_name(cursor)
-        if await _step(connection, partitions.create_partition(cursor, upper)) is None:
+        try:
+            made_it = await _step(connection, partitions.create_partition(cursor, upper))
+        except DBAPIError as exc:
+            if sqlstate(exc) != _CHECK_VIOLATION:
+                raise
+            cursor = upper  # rows reached DEFAULT in that period since the look: it keeps it
+            continue
+        if made_it is None:
             done.postponed.append(f"create {name}")
             return
         done.created.append(name)
