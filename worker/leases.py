@@ -36,6 +36,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from worker.db import discard, insert_ignoring_conflicts
 from worker.inbox import ABANDONED, CLAIMED, FINISHED, TABLE, InboxMarker
 from worker.logs import scrub
+from worker.partitions import ADMIT
 
 _inbox = TABLE
 _OWNER_PREFIX = f"{socket.gethostname()}:{os.getpid()}"[:110]
@@ -179,10 +180,9 @@ def _claim_insert(session: AsyncSession, **values: Any) -> Any:
         value if isinstance(value, ColumnElement) else literal(value, _inbox.c[name].type)
         for name, value in values.items()
     ]
+    admit = getattr(func, ADMIT)
     admitted = select(*columns).where(
-        func.worker_inbox_admit(
-            literal(values["message_id"], String()), literal(values["consumer"], String())
-        )
+        admit(literal(values["message_id"], String()), literal(values["consumer"], String()))
     )
     return postgresql.insert(_inbox).from_select(list(values), admitted).on_conflict_do_nothing()
 

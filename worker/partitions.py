@@ -47,10 +47,12 @@ consumer)`` exists in the inbox, whatever partitions its copies were written to.
    collision of ``h`` only queues unrelated keys behind each other: the lookup compares
    the real key.
 5. Rows leave the inbox only by their own writer's rollback (or :func:`worker.inbox.unmark`
-   inside its transaction), or when :mod:`worker.rollover` drops a partition whose newest
-   possible row is older than the retention (rule 10: no copy of its messages can arrive
-   any more). The drop holds ACCESS EXCLUSIVE on the parent, and the claims still owed a
-   side effect are moved into the live partitions in that same transaction.
+   inside its transaction), or when :mod:`worker.rollover` drops a partition (or retires
+   DEFAULT) whose newest possible row is older than the retention (rule 10: no copy of its
+   messages can arrive any more). The drop holds ACCESS EXCLUSIVE on the parent, and the
+   claims still owed a side effect are moved into the live partitions in that same
+   transaction. Rows are never moved between partitions otherwise: a lookup planned just
+   before such a move could miss the row in flight.
 
 Blocking is still the feature (rule 7): B waits on the advisory lock for A's whole
 transaction, as it waited on A's index entry before; A commits, B gets 23505 and acks; A
@@ -381,8 +383,10 @@ async def convert(
     check, indexes = await prepared(connection)
     if not indexes:
         raise RuntimeError(
-            "the inbox lacks a valid ix_inbox_processed_at or ix_inbox_lease_until: "
-            "run `worker migrate` with WORKER_INBOX_LAYOUT=table first, which rebuilds them"
+            "the inbox lacks a valid ix_inbox_processed_at or ix_inbox_lease_until (a killed "
+            "build leaves one INVALID): REINDEX INDEX CONCURRENTLY it, then migrate again; "
+            "the partitioned parent has both, and attaching the table would build them "
+            "while it is locked"
         )
     add_column, add_check, validate = preparation()
     steps = [add_column, validate] if check else [add_column, add_check, validate]
