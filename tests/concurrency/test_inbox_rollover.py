@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import time
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
@@ -19,9 +20,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from tests.support.database import own_database
 from tests.support.processes import json_env, run_cli
+from tests.support.waiting import wait_for
 from worker import inbox, partitions, retention, rollover
 from worker.db import create_engine, is_inbox_violation, session_factory
+from worker.logs import get_logger
 from worker.migrate import upgrade
+from worker.registry import Registry
 from worker.settings import Settings
 
 pytestmark = pytest.mark.postgres
@@ -270,3 +274,53 @@ def test_the_default_period_keeps_about_five_partitions() -> None:
     assert datetime(2026, 1, 1, 13, tzinfo=UTC) - rollover.boundary(
         datetime(2026, 1, 1, 13, 30, tzinfo=UTC), PERIOD
     ) == timedelta(0)
+
+
+async def test_one_replica_rolls_over_at_a_time_and_the_loop_and_the_command_do_it_too(
+    engine: AsyncEngine, partitioned_url: str
+) -> None:
+    settings = settings_for(partitioned_url, purge_interval=3600)
+    other = create_engine(partitioned_url, pool_size=2)
+    try:
+        both = await asyncio.gather(
+            retention.purge(engine, settings), retention.purge(other, settings)
+        )
+    finally:
+        await other.dispose()
+    assert sorted(r.ran for r in both) == [False, True]  # the purge's advisory lock, as before
+    # the housekeeping loop (what `worker run` starts) makes them again once they are gone
+    async with engine.connect() as connection:
+        for name in [n for n in await known(engine) if n.startswith("inbox_p")]:
+            for statement in rollover.retire(name):
+                await connection.exec_driver_sql(statement)
+            await connection.commit()
+    assert not [n for n in await known(engine) if n.startswith("inbox_p")]
+    looping = settings_for(partitioned_url, purge_interval=0.05)
+    chores = retention.start(engine, session_factory(engine), Registry(), looping, get_logger())
+    assert chores is not None
+    try:
+        await wait_for(lambda: _made(engine), 10, "partitions made by the housekeeping loop")
+    finally:
+        chores.cancel()
+        await asyncio.gather(chores, return_exceptions=True)
+    # and `worker purge-inbox` runs one pass by hand
+    done = await asyncio.to_thread(
+        run_cli,
+        json_env(
+            {
+                "WORKER_DATABASE_URL": partitioned_url,
+                "WORKER_INBOX_PARTITION_PERIOD": "PT1H",
+                "WORKER_INBOX_RETENTION": "PT2H",
+                "WORKER_BROKER_LOCK_TIMEOUT": "PT1M",
+                "WORKER_MESSAGE_TTL": "PT5M",
+                "WORKER_DEAD_LETTER_MARGIN": "PT0S",
+            }
+        ),
+        "purge-inbox",
+    )
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"^partitions: \d+ created, 0 dropped \(older than ", done.stderr, re.M)
+
+
+async def _made(engine: AsyncEngine) -> bool:
+    return any(name.startswith("inbox_p") for name in await known(engine))

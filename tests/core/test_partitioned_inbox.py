@@ -24,7 +24,8 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from tests.support.database import own_database
-from worker import inbox, leases
+from tests.support.layout import INBOX_LAYOUT
+from worker import inbox, leases, partitions
 from worker.db import Failure, classify, create_engine, is_inbox_violation, session_factory
 from worker.leases import Claim, Held
 from worker.migrate import upgrade
@@ -259,3 +260,16 @@ async def test_ids_keep_rising_and_the_fast_path_reads_every_partition(engine: A
         assert await inbox.seen(session, "elsewhere", "c")
     finally:
         await AsyncSession.close(session)
+
+
+async def test_the_suites_database_has_the_layout_worker_test_inbox_names(
+    postgres_only_url: str,
+) -> None:
+    """``WORKER_TEST_INBOX=partitioned`` runs every PostgreSQL test on the partitioned inbox."""
+    engine = create_engine(postgres_only_url, pool_size=1)
+    try:
+        async with engine.connect() as connection:
+            found = await partitions.layout(connection)
+    finally:
+        await engine.dispose()
+    assert found == INBOX_LAYOUT
