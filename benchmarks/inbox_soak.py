@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import statistics
 import time
 import uuid
@@ -84,6 +85,7 @@ class Run:
     own_wal: int = 0
     unread_wal: int = 0
     wal_errors: set[str] = field(default_factory=set)
+    loads: list[float] = field(default_factory=list)  # the machine's 1-minute load average
     idle_wal_per_minute: float = 0.0
     vacuums: int = 0
     vacuum_seconds: float = 0.0
@@ -233,6 +235,7 @@ async def autovacuum(dsn: str, run: Run, stop: asyncio.Event) -> None:
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=VACUUM_EVERY)
+            run.loads.append(os.getloadavg()[0])
             if run.autovacuum_server:
                 continue
             for table, dead, inserted, tuples in await connection.fetch(_DUE):
@@ -347,6 +350,12 @@ def report(runs: list[Run], args: argparse.Namespace) -> str:
                 if run.layout == "table"
                 else f"{run.created} made, {run.dropped} dropped, {run.postponed} postponed"
             ),
+            (
+                f"{statistics.fmean(run.loads):.1f} mean, "
+                f"{min(run.loads):.1f} to {max(run.loads):.1f}"
+                if run.loads
+                else "-"
+            ),
         ]
         rows.append(run_rows)
     labels = [
@@ -361,6 +370,7 @@ def report(runs: list[Run], args: argparse.Namespace) -> str:
         "vacuum (autovacuum's thresholds)",
         "retention passes",
         "  what they did",
+        "machine load (1-min average) during the run",
     ]
     table = [header, *([label, *(r[i] for r in rows)] for i, label in enumerate(labels))]
     widths = [max(len(line[c]) for line in table) for c in range(len(header))]
@@ -377,7 +387,7 @@ def report(runs: list[Run], args: argparse.Namespace) -> str:
     out.append(
         f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC; writers {args.writers}, retention "
         f"{args.retention} s, partition period {args.period} s, housekeeping every "
-        f"{args.interval} s"
+        f"{args.interval} s; {os.cpu_count()} CPUs"
     )
     return "\n".join(out)
 

@@ -6,8 +6,9 @@ The housekeeping loop (:mod:`worker.retention`) runs a pass every
 
 1. **makes partitions ahead**, one per ``WORKER_INBOX_PARTITION_PERIOD`` (boundaries are
    multiples of the period since the Unix epoch, UTC), from the current period until
-   ``now`` + two periods + two housekeeping intervals: a pass or two may fail and no
-   marker lands outside its partition.
+   ``now`` + one period + two housekeeping intervals: a pass or two may fail and no
+   marker lands outside its partition. Not more: every partition, even an empty one
+   ahead, is one more index every marker insert looks into.
 2. **drops every partition whose upper bound is older than the retention**. A marker's
    ``stored_at`` is when its row was written, no earlier than the delivery that wrote it,
    so everything in such a partition is past the redelivery window (rule 10) and no dedup
@@ -78,8 +79,8 @@ def boundary(moment: datetime, period: timedelta) -> datetime:
 
 
 def lead(period: timedelta, interval: float) -> timedelta:
-    """How far ahead of now partitions are made: two periods plus two housekeeping rounds."""
-    return 2 * period + 2 * timedelta(seconds=interval)
+    """How far ahead of now partitions are made: a period plus two housekeeping rounds."""
+    return period + 2 * timedelta(seconds=interval)
 
 
 async def _step(
