@@ -3,8 +3,8 @@ is still a unique violation of exactly the inbox constraint (worker/partitions.p
 
 Two copies of one message are forced into different partitions by giving the first an
 explicit ``stored_at`` in another partition (a freshly converted inbox writes into the old
-table's partition until its first boundary, so "now" is ``inbox_legacy``, an hour and a
-half ahead a regular partition, nine years ahead DEFAULT); the second copy waits for the first's
+table's partition until its first boundary, so "now" is ``inbox_legacy``, the first
+partition made ahead a regular one, nine years ahead DEFAULT); the second copy waits for the first's
 transaction exactly as it waits on the plain table's index entry, then is a duplicate (the
 first committed) or goes on (it rolled back). The race across a boundary under real clocks
 and several processes is tests/concurrency/test_partitioned_inbox_race.py.
@@ -33,7 +33,13 @@ from worker.migrate import upgrade
 pytestmark = pytest.mark.postgres
 
 WAIT = 0.4  # how long the first copy holds its transaction open
-AHEAD = "now() + interval '90 minutes'"  # a regular partition, made ahead
+# a minute into the first regular partition, the one the conversion made ahead
+AHEAD = (
+    "(SELECT min(substring(pg_get_expr(c.relpartbound, c.oid) FROM 'FROM [(]''([^'']+)')"
+    "::timestamptz) + interval '1 minute' FROM pg_inherits i "
+    "JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = 'inbox'::regclass "
+    "AND c.relname ~ '^inbox_p[0-9]')"
+)
 FUTURE = "now() + interval '9 years'"  # no partition: DEFAULT
 PAST = "now() - interval '30 days'"  # the old table's range
 
