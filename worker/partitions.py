@@ -71,7 +71,7 @@ from __future__ import annotations
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Literal
 
 from sqlalchemy import text
@@ -155,7 +155,7 @@ class Partition:
 
 def partition_name(lower: datetime) -> str:
     """A range partition is named after its lower bound (UTC): bounds never overlap."""
-    return _PARTITION_NAME.format(lower=lower)
+    return _PARTITION_NAME.format(lower=lower.astimezone(UTC))
 
 
 def _bound(value: str) -> datetime | None:
