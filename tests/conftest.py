@@ -21,6 +21,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tests.support.exclusive import holding
+from tests.support.layout import INBOX_LAYOUT, PERIOD, layout_of
 from tests.support.migrations import migrate_with_the_example
 from tests.support.pumps import MakeSettings, RunPumps, pumps_on
 from tests.support.rabbitmq import MakeRabbitSettings, guest_url, throwaway_vhost
@@ -57,13 +58,14 @@ async def _admin(sql: str) -> None:
 
 @pytest.fixture(scope="session")
 def postgres_url() -> Iterator[str]:
-    """A fresh, migrated PostgreSQL database for this test run, dropped afterwards."""
+    """A fresh, migrated PostgreSQL database for this test run, dropped afterwards; its
+    inbox is partitioned under ``WORKER_TEST_INBOX=partitioned`` (tests/support/layout.py)."""
     require_service("127.0.0.1", 5432, "PostgreSQL")
     name = f"worker_test_{uuid.uuid4().hex[:10]}"
     asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
     url = POSTGRES_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
     try:
-        migrate_with_the_example(url)
+        migrate_with_the_example(url, inbox_layout=INBOX_LAYOUT, partition_period=PERIOD)
         _MIGRATED_TABLES[url] = asyncio.run(_tables(url))
         yield url
     finally:
@@ -105,8 +107,9 @@ async def _truncate(url: str) -> None:
             present = set(rows.scalars())
             for extra in sorted(present - migrated):
                 await connection.execute(text(f'DROP TABLE "{extra}" CASCADE'))
-            emptied = sorted(t for t in migrated if not is_version_table(t))
-            names = ", ".join(f'"{t}"' for t in emptied)
+            # a partition a test's rollover dropped is gone: only what is still there
+            kept = sorted(t for t in migrated & present if not is_version_table(t))
+            names = ", ".join(f'"{t}"' for t in kept)
             if names:
                 await connection.execute(text(f"TRUNCATE {names} RESTART IDENTITY"))
     finally:
@@ -143,12 +146,14 @@ def make_settings(request: pytest.FixtureRequest) -> MakeSettings:
     """Settings for in-process pumps; the database is the test's ``database_url`` unless given."""
 
     def make(**overrides: Any) -> Settings:
+        url = (
+            request.getfixturevalue("database_url")
+            if "database_url" in request.fixturenames
+            else "sqlite+aiosqlite:///unused.db"
+        )
         values: dict[str, Any] = {
-            "database_url": (
-                request.getfixturevalue("database_url")
-                if "database_url" in request.fixturenames
-                else "sqlite+aiosqlite:///unused.db"
-            ),
+            "database_url": url,
+            "inbox_layout": layout_of(url),
             "concurrency": 4,
             "retry_backoff": 0.001,
             "retry_backoff_max": 0.01,

@@ -234,6 +234,8 @@ def _migrate(settings: Settings, args: argparse.Namespace) -> int:
         lock_timeout=args.lock_timeout,
         applications=applications,
         tables=tables,
+        inbox_layout=settings.inbox_layout,
+        partition_period=settings.partition_period,
     )
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from worker.db import Base
 from worker.errors import ConfigurationError
+from worker.partitions import is_inbox_partition
 
 WORKER_TABLES = frozenset({"inbox", "rejections", "outbox", "consumer_offsets", "delivery_counts"})
 """The tables the worker's history creates: never an application's. A worker revision that
@@ -104,7 +105,7 @@ def skip_worker_tables(name: str | None, type_: str, parent_names: object) -> bo
     project never proposes to drop (or alter) them."""
     if type_ != "table" or name is None:
         return True
-    return name not in WORKER_TABLES and not is_version_table(name)
+    return name not in WORKER_TABLES and not is_inbox_partition(name) and not is_version_table(name)
 
 
 def _candidates(module: str) -> list[tuple[Path, str]]:

@@ -29,6 +29,7 @@ from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
 
 from worker.db import INBOX_CONSTRAINT, Base
+from worker.partitions import ADMIT
 
 CLAIMED, FINISHED, ABANDONED = "claimed", "finished", "abandoned"
 """A marker's ``state``: a regular marker is finished the moment it commits; a side
@@ -220,13 +221,15 @@ async def seen(session: AsyncSession, message_id: str, consumer: str) -> bool:
 
 # Batch mode (worker/batch.py): one statement marks many messages and reports which are
 # new. The ids arrive sorted, so two batches sharing ids take their keys in one order and
-# cannot deadlock on each other's markers. ON CONFLICT DO NOTHING still waits for a
-# concurrent uncommitted insert of the same key (blocking is the feature), then
-# reports it not new.
+# cannot deadlock on each other's markers. On the plain table the admission function is
+# `SELECT true` and ON CONFLICT DO NOTHING decides: it still waits for a concurrent
+# uncommitted insert of the same key (blocking is the feature), then reports it not new.
+# On the partitioned inbox the function takes each key's lock and looks in every
+# partition (worker/partitions.py): a key already there is filtered out, never raised.
 _MARK_MANY_POSTGRES = text(
     "INSERT INTO inbox (message_id, consumer) "
-    "SELECT m, :c FROM unnest(CAST(:ids AS varchar[])) AS m "
-    f"ON CONFLICT ON CONSTRAINT {INBOX_CONSTRAINT} DO NOTHING RETURNING message_id"
+    "SELECT m, CAST(:c AS varchar) FROM unnest(CAST(:ids AS varchar[])) AS m "
+    f"WHERE {ADMIT}(m, CAST(:c AS varchar)) ON CONFLICT DO NOTHING RETURNING message_id"
 )
 # SQLite: "WHERE true" tells the parser the ON CONFLICT is the upsert, not a join's ON.
 _MARK_MANY_SQLITE = text(

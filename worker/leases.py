@@ -18,12 +18,25 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, DateTime, Interval, and_, func, literal, or_, select, update
+from sqlalchemy import (
+    ColumnElement,
+    DateTime,
+    Interval,
+    String,
+    and_,
+    func,
+    literal,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from worker.db import discard, insert_ignoring_conflicts
 from worker.inbox import ABANDONED, CLAIMED, FINISHED, TABLE, InboxMarker
 from worker.logs import scrub
+from worker.partitions import ADMIT
 
 _inbox = TABLE
 _OWNER_PREFIX = f"{socket.gethostname()}:{os.getpid()}"[:110]
@@ -115,7 +128,8 @@ async def acquire(
     session: AsyncSession = sessions()
     owner = _owner()
     try:
-        fresh = insert_ignoring_conflicts(session, InboxMarker).values(
+        fresh = _claim_insert(
+            session,
             message_id=message_id,
             consumer=consumer,
             state=CLAIMED,
@@ -151,6 +165,26 @@ async def acquire(
         return Held(max(0.0, (aware(state.lease_until) - aware(state.now)).total_seconds()))
     finally:
         await discard(session)
+
+
+def _claim_insert(session: AsyncSession, **values: Any) -> Any:
+    """The claim's ``INSERT ... ON CONFLICT DO NOTHING``: a marker already there is no error.
+
+    On PostgreSQL the row is admitted by ``worker_inbox_admit`` first (a no-op on the plain
+    table; on the partitioned inbox the key's lock and a look into every partition, which
+    its unique keys, one per partition, cannot do: worker/partitions.py).
+    """
+    if session.get_bind().dialect.name != "postgresql":
+        return insert_ignoring_conflicts(session, InboxMarker).values(**values)
+    columns = [
+        value if isinstance(value, ColumnElement) else literal(value, _inbox.c[name].type)
+        for name, value in values.items()
+    ]
+    admit = getattr(func, ADMIT)
+    admitted = select(*columns).where(
+        admit(literal(values["message_id"], String()), literal(values["consumer"], String()))
+    )
+    return postgresql.insert(_inbox).from_select(list(values), admitted).on_conflict_do_nothing()
 
 
 async def _take_over(

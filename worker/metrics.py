@@ -69,6 +69,12 @@ INBOX_PURGED = Counter("worker_inbox_purged_rows", "Inbox rows deleted by retent
 INBOX_PURGE_RUNS = Counter(
     "worker_inbox_purge_runs", "Retention passes, by result (ok, skipped, failed).", ["result"]
 )
+INBOX_PARTITIONS = Counter(
+    "worker_inbox_partitions",
+    "Partitions of a partitioned inbox, by action: created (ahead), dropped (past the "
+    "retention), postponed (a step whose locks stayed taken; the next pass retries).",
+    ["action"],
+)
 CLAIMS_SWEPT = Counter(
     "worker_claims_swept",
     "Claims the sweeper acted on, by action (e.g. taken-over, finished, stale).",
@@ -112,6 +118,12 @@ def inbox_purged(rows: int) -> None:
     """Retention deleted ``rows`` inbox rows (call once per batch)."""
     if rows > 0:
         INBOX_PURGED.inc(rows)
+
+
+def inbox_partitions(action: str, count: int) -> None:
+    """A rollover pass ``action``-ed ``count`` partitions: created, dropped or postponed."""
+    if count > 0:
+        INBOX_PARTITIONS.labels(action).inc(count)
 
 
 def purge_run(result: str) -> None:
@@ -337,6 +349,15 @@ INBOX_POLL_INTERVAL = 30.0
 _POLL_TIMEOUT = 10.0
 
 
+# The planner's row estimate, summed over a partitioned inbox's partitions (a partitioned
+# parent keeps none of its own; a table never analyzed says -1).
+_ESTIMATE = (
+    "SELECT coalesce(sum(greatest(c.reltuples, 0)), 0)::bigint FROM pg_class c "
+    "WHERE c.oid = 'inbox'::regclass "
+    "OR c.oid IN (SELECT inhrelid FROM pg_inherits WHERE inhparent = 'inbox'::regclass)"
+)
+
+
 @dataclass(frozen=True, slots=True)
 class InboxHealth:
     """One reading of the inbox; ages in seconds, by the database's clock on PostgreSQL."""
@@ -371,9 +392,7 @@ async def read_inbox_health(
         markers = (await connection.execute(select(func.count()).select_from(capped))).scalar()
         markers = int(markers or 0)
         if postgres and markers >= cap:
-            estimate = await connection.execute(
-                text("SELECT reltuples::bigint FROM pg_class WHERE oid = 'inbox'::regclass")
-            )
+            estimate = await connection.execute(text(_ESTIMATE))
             markers = max(markers, int(estimate.scalar() or 0))
         oldest = (
             await connection.execute(

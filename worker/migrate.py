@@ -24,6 +24,7 @@ import signal
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import TypeVar
 
@@ -35,6 +36,7 @@ from alembic.util import CommandError
 from sqlalchemy import inspect, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from worker import histories
 from worker.db import create_engine, redact
@@ -106,12 +108,17 @@ def upgrade(
     lock_timeout: float = LOCK_TIMEOUT,
     attempts: int = _ATTEMPTS,
     on_retry: Callable[[int, BaseException], None] | None = None,
+    inbox_layout: str = "table",
+    partition_period: timedelta = timedelta(days=1),
 ) -> None:
     """Bring the worker's history to ``revision`` (its newest by default), then each of
     ``applications`` to its newest. Blocking: call it outside an event loop.
 
     A statement that gave up waiting for its lock (SQLSTATE 55P03) rolled back its
     own revision only; the run is repeated, with a pause, at most ``attempts`` times.
+    ``inbox_layout="partitioned"`` then converts a plain inbox on PostgreSQL, online
+    (:func:`worker.partitions.convert`), and makes its first partitions; the conversion
+    is never undone by a later run with ``"table"``.
     """
     chain = (histories.WORKER, *applications)
 
@@ -121,7 +128,7 @@ def upgrade(
     for attempt in range(1, attempts + 1):
         try:
             _on_one_connection(database_url, run)
-            return
+            break
         except DBAPIError as exc:
             code = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
             if code != _LOCK_NOT_AVAILABLE or attempt == attempts:
@@ -129,6 +136,65 @@ def upgrade(
             if on_retry is not None:
                 on_retry(attempt, exc)
             time.sleep(min(2.0 * attempt, 10.0))
+    if inbox_layout == "partitioned" and revision == "head":
+        asyncio.run(_partition(database_url, partition_period, lock_timeout, attempts, on_retry))
+
+
+async def _partition(
+    database_url: str,
+    period: timedelta,
+    lock_timeout: float,
+    attempts: int,
+    on_retry: Callable[[int, BaseException], None] | None,
+) -> None:
+    """The conversion to the partitioned inbox when asked for, under the migrator's lock,
+    then its first partitions (the housekeeping loop makes the rest)."""
+    from worker import partitions, retention, rollover
+    from worker.db import create_engine
+
+    tries = 0
+
+    async def again(exc: BaseException) -> bool:
+        nonlocal tries
+        tries += 1
+        if tries >= attempts:
+            return False
+        if on_retry is not None:
+            on_retry(tries, exc)
+        await asyncio.sleep(min(2.0 * tries, 10.0))
+        return True
+
+    engine = create_engine(database_url, pool_size=2, max_overflow=0)
+    try:
+        async with engine.connect() as connection:
+            if connection.dialect.name != "postgresql":
+                return  # SQLite keeps the plain table (the settings refuse it earlier)
+            await _hold_migration_lock(connection)
+            await connection.exec_driver_sql(f"SET lock_timeout = {int(lock_timeout * 1000)}")
+            await connection.commit()
+            if not await partitions.convert(connection, period, again):
+                await partitions.refresh(connection)
+        async with retention.exclusive(engine) as holder:
+            if holder is not None:  # else a housekeeping pass is making them right now
+                now = await retention.database_now(holder)
+                ahead = now + rollover.lead(period, 0.0)
+                await rollover.make_ahead(holder, period, ahead, now, rollover.Pass())
+    finally:
+        await engine.dispose()
+
+
+async def _hold_migration_lock(connection: AsyncConnection) -> None:
+    """The migrators' advisory lock, for this connection's session (released when it
+    closes), polled as the Alembic environment polls it: a blocking wait would hold a
+    snapshot that another migrator's concurrent index build waits for."""
+    deadline = time.monotonic() + _LOCK_WAIT
+    take = text("SELECT pg_try_advisory_lock(:key)")
+    while not (await connection.execute(take, {"key": ADVISORY_LOCK_KEY})).scalar_one():
+        await connection.commit()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"another migrator held the migration lock for {_LOCK_WAIT:.0f}s")
+        await asyncio.sleep(0.5)
+    await connection.commit()
 
 
 def _upgrade_on(
@@ -368,6 +434,8 @@ def migrate_command(
     poll_interval: float = 2.0,
     applications: Sequence[History] = (),
     tables: Iterable[str] = (),
+    inbox_layout: str = "table",
+    partition_period: timedelta = timedelta(days=1),
 ) -> int:
     """``worker migrate [--check | --wait]``: 0 once the schema is usable by this code.
 
@@ -386,10 +454,15 @@ def migrate_command(
             )
 
         upgrade(
-            database_url, applications=applications, lock_timeout=lock_timeout, on_retry=retrying
+            database_url,
+            applications=applications,
+            lock_timeout=lock_timeout,
+            on_retry=retrying,
+            inbox_layout=inbox_layout,
+            partition_period=partition_period,
         )
         found = status(database_url, applications, tables=tables)
-        log.info("migrated", status=found.describe())
+        log.info("migrated", status=found.describe(), inbox=inbox_layout)
         if found.missing:
             # Exit 0 all the same: an application with an Alembic environment of its own
             # creates its tables after this, and the gate waits for them.

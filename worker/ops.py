@@ -195,6 +195,6 @@ async def start_ops(settings: Settings, target: Readiness) -> OpsServer | None:
     # A settings field `inbox_metrics_interval` when one exists (none does today); 30 s.
     interval = float(getattr(settings, "inbox_metrics_interval", INBOX_POLL_INTERVAL))
     if interval > 0:
-        server.monitor = InboxMonitor(settings.database_url, settings.retention, interval)
+        server.monitor = InboxMonitor(settings.database_url, settings.inbox_kept_for, interval)
         await server.monitor.start()
     return server

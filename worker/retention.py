@@ -15,6 +15,12 @@ window changes no dedup decision; it only ends the operator's record of it.
 One replica purges at a time: on PostgreSQL whoever holds a session advisory
 lock; on SQLite the process (SQLite is one host's file) skips a purge already
 running in it.
+
+A partitioned inbox (``WORKER_INBOX_LAYOUT=partitioned``, :mod:`worker.partitions`) is
+never purged row by row: the same pass, under the same lock, makes its partitions ahead
+and drops the ones past the retention whole (:mod:`worker.rollover`). Which one runs is
+the database's layout, not the setting's: a database converted while this replica ran
+is rolled over from then on.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from typing import TYPE_CHECKING, Any, cast
 from sqlalchemy import Table, any_, bindparam, delete, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, async_sessionmaker
 
-from worker import attempts, metrics, sweeper
+from worker import attempts, metrics, partitions, rollover, sweeper
 from worker.errors import ConfigurationError
 from worker.inbox import ABANDONED, FINISHED, InboxMarker
 from worker.logs import get_logger
@@ -69,6 +75,7 @@ class PurgeResult:
     deleted: int
     batches: int
     cutoff: datetime
+    rollover: rollover.Pass | None = None  # the partitioned inbox: partitions, not rows
 
 
 async def advisory_lock(connection: AsyncConnection, key: int) -> bool:
@@ -151,23 +158,23 @@ async def purge(
     own clock runs ahead cannot purge markers early.
     """
     deleted = batches = counts = 0
+    passed: rollover.Pass | None = None
     async with exclusive(engine) as connection:
         if connection is None:
             return PurgeResult(False, 0, 0, (now or datetime.now(UTC)) - settings.retention)
         if now is None:  # the database's clock, the one that wrote processed_at
             now = await database_now(connection)
         cutoff = now - settings.retention
-        statement = PURGE_BATCH[connection.dialect.name]
-        for _ in range(settings.purge_max_batches):
-            result = await connection.execute(
-                statement, {"cutoff": cutoff, "batch": settings.purge_batch}
+        if await partitions.layout(connection) == "partitioned":
+            passed = await rollover.run(
+                connection,
+                period=settings.partition_period,
+                retention=settings.retention,
+                interval=settings.purge_interval,
+                now=now,
             )
-            await connection.commit()
-            batches += 1
-            deleted += result.rowcount
-            if result.rowcount < settings.purge_batch:
-                break
-            await asyncio.sleep(pause)
+        else:
+            deleted, batches = await _delete_batches(connection, settings, cutoff, pause)
         # delivery counts (WORKER_DELIVERY_COUNTS=database) age out with the markers
         counts = await attempts.purge(
             connection, cutoff, settings.purge_batch, settings.purge_max_batches
@@ -176,7 +183,45 @@ async def purge(
         log.info("delivery counts purged", deleted=counts, cutoff=cutoff.isoformat())
     if log is not None and deleted:
         log.info("inbox purged", deleted=deleted, batches=batches, cutoff=cutoff.isoformat())
-    return PurgeResult(True, deleted, batches, cutoff)
+    if log is not None and passed is not None:
+        _log_rollover(log, passed, cutoff)
+    return PurgeResult(True, deleted, batches, cutoff, passed)
+
+
+async def _delete_batches(
+    connection: AsyncConnection, settings: Settings, cutoff: datetime, pause: float
+) -> tuple[int, int]:
+    """The plain table: finished markers older than ``cutoff``, a bounded batch at a time."""
+    deleted = batches = 0
+    statement = PURGE_BATCH[connection.dialect.name]
+    for _ in range(settings.purge_max_batches):
+        result = await connection.execute(
+            statement, {"cutoff": cutoff, "batch": settings.purge_batch}
+        )
+        await connection.commit()
+        batches += 1
+        deleted += result.rowcount
+        if result.rowcount < settings.purge_batch:
+            break
+        await asyncio.sleep(pause)
+    return deleted, batches
+
+
+def _log_rollover(log: Any, passed: rollover.Pass, cutoff: datetime) -> None:
+    if passed.created or passed.dropped:
+        log.info(
+            "inbox partitions rolled over",
+            created=passed.created,
+            dropped=passed.dropped,
+            claims_carried=passed.carried,
+            cutoff=cutoff.isoformat(),
+        )
+    if passed.postponed:
+        log.warning(
+            "inbox partition steps postponed: their locks stayed taken",
+            steps=passed.postponed,
+            lock_timeout_s=rollover.LOCK_TIMEOUT,
+        )
 
 
 async def housekeeping(
@@ -192,6 +237,10 @@ async def housekeeping(
         try:
             result = await purge(engine, settings, log=log)
             metrics.inbox_purged(result.deleted)
+            if result.rollover is not None:
+                metrics.inbox_partitions("created", len(result.rollover.created))
+                metrics.inbox_partitions("dropped", len(result.rollover.dropped))
+                metrics.inbox_partitions("postponed", len(result.rollover.postponed))
             metrics.purge_run("ok" if result.ran else "skipped")
         except Exception as exc:  # the next round tries again; the pump must not die of it
             metrics.purge_run("failed")
@@ -242,6 +291,14 @@ async def purge_command(settings: Settings) -> int:
         await engine.dispose()
     if not result.ran:
         print("another replica is purging the inbox; nothing done", file=sys.stderr)
+    elif result.rollover is not None:
+        passed = result.rollover
+        print(
+            f"partitions: {len(passed.created)} created, {len(passed.dropped)} dropped "
+            f"(older than {result.cutoff.isoformat()}), {passed.carried} claims carried, "
+            f"{len(passed.postponed)} steps postponed",
+            file=sys.stderr,
+        )
     else:
         print(
             f"purged {result.deleted} finished markers older than {result.cutoff.isoformat()} "

@@ -27,6 +27,9 @@ S = TypeVar("S", bound=BaseSettings)
 _SECRET_HINTS = ("url", "password", "connection", "secret", "key")
 
 
+_WINDOW_INPUTS = ("broker_lock_timeout", "max_deliveries", "message_ttl", "dead_letter_margin")
+
+
 class Settings(BaseSettings):
     """Everything the pump itself needs. Field ``x`` is the variable ``WORKER_X``."""
 
@@ -120,6 +123,16 @@ class Settings(BaseSettings):
         None,
         description="Finished markers are kept this long; default and minimum: redelivery window.",
     )
+    inbox_layout: Literal["table", "partitioned"] = Field(
+        "table",
+        description="PostgreSQL: partitioned keeps the inbox in time partitions and retention "
+        "drops whole ones (`worker migrate` converts a plain table online); SQLite: table.",
+    )
+    inbox_partition_period: timedelta | None = Field(
+        None,
+        description="Time one inbox partition covers; default: a quarter of the retention, "
+        "in whole days (or hours, minutes, seconds).",
+    )
     purge_interval: float = Field(
         600.0, ge=0, description="Seconds between the pump's inbox purge and claim sweep; 0: off."
     )
@@ -145,12 +158,15 @@ class Settings(BaseSettings):
     def _retention_covers_redelivery(
         cls, value: timedelta | None, info: ValidationInfo
     ) -> timedelta | None:
-        inputs = ("broker_lock_timeout", "max_deliveries", "message_ttl", "dead_letter_margin")
-        if value is None or any(name not in info.data for name in inputs):
+        if value is None or any(name not in info.data for name in _WINDOW_INPUTS):
             return value
         data = info.data
-        window = data["broker_lock_timeout"] * data["max_deliveries"] + data["message_ttl"]
-        window += data["dead_letter_margin"]
+        window = _window(
+            data["broker_lock_timeout"],
+            data["max_deliveries"],
+            data["message_ttl"],
+            data["dead_letter_margin"],
+        )
         if value < window:
             raise ValueError(
                 f"{value} is shorter than the redelivery window {window} (lock timeout x max "
@@ -159,16 +175,61 @@ class Settings(BaseSettings):
             )
         return value
 
+    @field_validator("inbox_layout")
+    @classmethod
+    def _partitions_need_postgresql(cls, value: str, info: ValidationInfo) -> str:
+        url = info.data.get("database_url")
+        if value == "partitioned" and url is not None and url.startswith("sqlite"):
+            raise ValueError("needs PostgreSQL: on SQLite the inbox is a plain table")
+        return value
+
+    @field_validator("inbox_partition_period")
+    @classmethod
+    def _few_partitions(cls, value: timedelta | None, info: ValidationInfo) -> timedelta | None:
+        if value is None:
+            return value
+        if value < timedelta(seconds=1) or value % timedelta(seconds=1):
+            raise ValueError("must be a whole number of seconds, at least one")
+        data = info.data
+        retention = data.get("inbox_retention")
+        if retention is None and all(name in data for name in _WINDOW_INPUTS):
+            retention = _window(
+                data["broker_lock_timeout"],
+                data["max_deliveries"],
+                data["message_ttl"],
+                data["dead_letter_margin"],
+            )
+        if retention is not None and retention / value > MAX_LIVE_PARTITIONS:
+            raise ValueError(
+                f"the retention {retention} would keep more than {MAX_LIVE_PARTITIONS} "
+                "partitions, and every marker insert looks into each: take a longer period"
+            )
+        return value
+
     @property
     def redelivery_window(self) -> timedelta:
         """How long after a first delivery the broker (or an operator) may still redeliver."""
-        lock_total = self.broker_lock_timeout * self.max_deliveries
-        return lock_total + self.message_ttl + self.dead_letter_margin
+        return _window(
+            self.broker_lock_timeout, self.max_deliveries, self.message_ttl, self.dead_letter_margin
+        )
 
     @property
     def retention(self) -> timedelta:
         """How long a finished inbox marker is kept: never shorter than the redelivery window."""
         return self.inbox_retention or self.redelivery_window
+
+    @property
+    def partition_period(self) -> timedelta:
+        """The time one partition of a partitioned inbox covers."""
+        return self.inbox_partition_period or default_period(self.retention)
+
+    @property
+    def inbox_kept_for(self) -> timedelta:
+        """How old a finished marker may get before retention removes it: the retention,
+        plus one partition's period when whole partitions are dropped."""
+        if self.inbox_layout == "partitioned":
+            return self.retention + self.partition_period
+        return self.retention
 
     message_id_func: str | None = Field(
         None, description="'module:function' that extracts the dedup key from a raw message."
@@ -238,6 +299,24 @@ class Settings(BaseSettings):
     @property
     def pool_size(self) -> int:
         return self.db_pool_size or self.concurrency + 2
+
+
+MAX_LIVE_PARTITIONS = 60
+"""A partitioned inbox keeps at most this many partitions' worth of retention."""
+
+
+def _window(lock: timedelta, deliveries: int, ttl: timedelta, margin: timedelta) -> timedelta:
+    return lock * deliveries + ttl + margin
+
+
+def default_period(retention: timedelta) -> timedelta:
+    """A quarter of ``retention``, rounded down to whole days (or hours, minutes, seconds):
+    about five partitions live, each lookup reads them all."""
+    quarter = retention / 4
+    for unit in (timedelta(days=1), timedelta(hours=1), timedelta(minutes=1)):
+        if quarter >= unit:
+            return unit * (quarter // unit)
+    return max(timedelta(seconds=1), timedelta(seconds=quarter // timedelta(seconds=1)))
 
 
 def load(cls: type[S], *, check: bool = True) -> S:

@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tests.concurrency.concurrency_helpers import add_marker, count
 from tests.support.database import INBOX
+from tests.support.layout import plain_table_only
 from tests.support.processes import json_env, run_cli
 from tests.support.pumps import MakeSettings
 from tests.support.waiting import wait_for
@@ -94,6 +95,7 @@ def test_a_call_timeout_longer_than_the_lease_is_refused() -> None:
 async def test_purge_removes_old_finished_markers_in_batches_and_keeps_everything_else(
     engine: AsyncEngine, make_settings: MakeSettings
 ) -> None:
+    plain_table_only(str(engine.url))
     for n in range(10):
         await add_marker(engine, f"old-{n:02}", age=2 * DAY)
     for n in range(3):
@@ -115,6 +117,7 @@ async def test_purge_removes_old_finished_markers_in_batches_and_keeps_everythin
 async def test_one_run_is_bounded_and_the_next_run_continues(
     engine: AsyncEngine, make_settings: MakeSettings
 ) -> None:
+    plain_table_only(str(engine.url))
     for n in range(10):
         await add_marker(engine, f"old-{n:02}", age=2 * DAY)
     settings = short_window(make_settings, purge_batch=3, purge_max_batches=2)
@@ -128,6 +131,7 @@ async def test_one_run_is_bounded_and_the_next_run_continues(
 async def test_two_concurrent_purgers_do_not_both_run(
     database_url: str, make_settings: MakeSettings
 ) -> None:
+    plain_table_only(database_url)  # tests/concurrency/test_inbox_rollover.py: partitions
     engines = [create_engine(database_url), create_engine(database_url)]
     try:
         for n in range(20):
@@ -159,6 +163,7 @@ async def test_advisory_locks_are_postgresql_only(engine: AsyncEngine) -> None:
 async def test_a_purge_cancelled_mid_run_does_not_keep_the_lock(
     postgres_only_url: str, make_settings: MakeSettings
 ) -> None:
+    plain_table_only(postgres_only_url)
     engine = create_engine(postgres_only_url)
     try:
         for n in range(30):
@@ -188,6 +193,7 @@ async def test_housekeeping_purges_periodically(
     engine: AsyncEngine, make_settings: MakeSettings
 ) -> None:
     """What ``worker run`` starts beside the ops server (cli._run), not inside the pump."""
+    plain_table_only(str(engine.url))
     from worker.db import session_factory
     from worker.logs import get_logger
 
@@ -210,6 +216,8 @@ async def test_housekeeping_purges_periodically(
 
 
 def test_worker_purge_inbox(database_url: str) -> None:
+    plain_table_only(database_url)
+
     async def seed() -> None:
         engine = create_engine(database_url)
         try:
@@ -229,6 +237,7 @@ def test_worker_purge_inbox(database_url: str) -> None:
 
 
 async def test_the_purge_walks_the_processed_at_index_on_postgresql(postgres_only_url: str) -> None:
+    plain_table_only(postgres_only_url)
     """The plan of one batch: an index range scan, oldest first, stopped by the LIMIT."""
     engine = create_engine(postgres_only_url)
     try:

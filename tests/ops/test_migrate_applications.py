@@ -411,3 +411,7 @@ def test_skip_worker_tables_leaves_the_applications_own() -> None:
     assert not skip_worker_tables("alembic_version", "table", {})
     assert skip_worker_tables("invoices", "table", {})
     assert skip_worker_tables("inbox", "column", {"table_name": "inbox"})
+    # the partitioned inbox's tables are the worker's too (WORKER_INBOX_LAYOUT=partitioned)
+    for partition in ("inbox_p20261203t000000", "inbox_default", "inbox_legacy"):
+        assert not skip_worker_tables(partition, "table", {})
+    assert skip_worker_tables("inbox_orders", "table", {})

@@ -1,7 +1,13 @@
-"""One-shot queries by URL, for tests that look at the database from outside a pump."""
+"""One-shot queries by URL, for tests that look at the database from outside a pump; and
+databases of a test's own on the PostgreSQL server."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+import uuid
+from collections.abc import Iterator
 from decimal import Decimal
 from typing import Any, cast
 
@@ -56,3 +62,31 @@ async def marker_count(database: AsyncEngine | str, where: str = "") -> int:
         return int(await scalar(database, sql))
     async with database.connect() as connection:
         return int(await connection.scalar(text(sql)) or 0)
+
+
+POSTGRES_ADMIN_URL = os.environ.get(
+    "WORKER_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
+)
+
+
+async def admin(sql: str) -> None:
+    """One statement on the server's admin database, outside a transaction."""
+    engine = create_engine(POSTGRES_ADMIN_URL, pool_size=1)
+    try:
+        async with engine.connect() as connection:
+            await connection.execution_options(isolation_level="AUTOCOMMIT")
+            await connection.execute(text(sql))
+    finally:
+        await engine.dispose()
+
+
+@contextlib.contextmanager
+def own_database(prefix: str = "worker_own") -> Iterator[str]:
+    """An empty PostgreSQL database of the caller's own, dropped (FORCE) on the way out.
+    Call it outside an event loop (a sync fixture)."""
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    asyncio.run(admin(f'CREATE DATABASE "{name}"'))
+    try:
+        yield POSTGRES_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
