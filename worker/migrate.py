@@ -136,7 +136,7 @@ def upgrade(
             if on_retry is not None:
                 on_retry(attempt, exc)
             time.sleep(min(2.0 * attempt, 10.0))
-    if inbox_layout == "partitioned" and revision == "head":
+    if inbox_layout == "partitioned" and revision in ("head", "heads"):
         asyncio.run(_partition(database_url, partition_period, lock_timeout, attempts, on_retry))
 
 
@@ -150,7 +150,6 @@ async def _partition(
     """The conversion to the partitioned inbox when asked for, under the migrator's lock,
     then its first partitions (the housekeeping loop makes the rest)."""
     from worker import partitions, retention, rollover
-    from worker.db import create_engine
 
     tries = 0
 
@@ -193,7 +192,7 @@ async def _hold_migration_lock(connection: AsyncConnection) -> None:
         await connection.commit()
         if time.monotonic() > deadline:
             raise TimeoutError(f"another migrator held the migration lock for {_LOCK_WAIT:.0f}s")
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(_LOCK_POLL)
     await connection.commit()
 
 
