@@ -25,7 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from tests.support.database import own_database
 from tests.support.layout import INBOX_LAYOUT
-from worker import inbox, leases, partitions
+from worker import inbox, leases, partitions, retention, rollover
 from worker.db import Failure, classify, create_engine, is_inbox_violation, session_factory
 from worker.leases import Claim, Held
 from worker.migrate import upgrade
@@ -44,10 +44,28 @@ FUTURE = "now() + interval '9 years'"  # no partition: DEFAULT
 PAST = "now() - interval '30 days'"  # the old table's range
 
 
+PERIOD = timedelta(hours=1)
+
+
+async def _a_partition_ahead(url: str) -> None:
+    """A regular partition after the old table's, whatever the clock: the conversion makes
+    one only when its first period boundary falls within a period of now (late in an hour
+    the old table covers up to the boundary after next, and the housekeeping makes the
+    next partition later)."""
+    engine = create_engine(url, pool_size=1)
+    try:
+        async with engine.connect() as connection:
+            now = await retention.database_now(connection)
+            await rollover.make_ahead(connection, PERIOD, now + 2 * PERIOD, now, rollover.Pass())
+    finally:
+        await engine.dispose()
+
+
 @pytest.fixture(scope="module")
 def partitioned_url() -> Iterator[str]:
     with own_database("worker_partitioned") as url:
-        upgrade(url, inbox_layout="partitioned", partition_period=timedelta(hours=1))
+        upgrade(url, inbox_layout="partitioned", partition_period=PERIOD)
+        asyncio.run(_a_partition_ahead(url))
         yield url
 
 
