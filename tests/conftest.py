@@ -24,7 +24,12 @@ from tests.support.exclusive import holding
 from tests.support.layout import INBOX_LAYOUT, PERIOD, layout_of
 from tests.support.migrations import migrate_with_the_example
 from tests.support.pumps import MakeSettings, RunPumps, pumps_on
-from tests.support.rabbitmq import MakeRabbitSettings, guest_url, throwaway_vhost
+from tests.support.rabbitmq import (
+    MakeRabbitSettings,
+    delete_topologies,
+    guest_url,
+    throwaway_vhost,
+)
 from tests.support.services import require_service
 from tests.support.tansu import Tansu, running_tansu
 from worker.brokers.rabbitmq import RabbitMQSettings
@@ -188,9 +193,11 @@ def amqp_url(rabbitmq_vhost: str) -> str:
 
 
 @pytest.fixture
-def rabbit_settings(amqp_url: str) -> MakeRabbitSettings:
-    """RabbitMQ settings in the session's vhost; queue and exchange names unique to the test."""
+def rabbit_settings(amqp_url: str) -> Iterator[MakeRabbitSettings]:
+    """RabbitMQ settings in the session's vhost; queue and exchange names unique to the test,
+    deleted after it (whatever it declared under the settings it made)."""
     queue = f"q{uuid.uuid4().hex[:8]}"
+    made: list[RabbitMQSettings] = []
 
     def make(**overrides: Any) -> RabbitMQSettings:
         values: dict[str, Any] = {
@@ -202,9 +209,11 @@ def rabbit_settings(amqp_url: str) -> MakeRabbitSettings:
             "settle_timeout": 5.0,
             **overrides,
         }
-        return RabbitMQSettings(**values)
+        made.append(RabbitMQSettings(**values))
+        return made[-1]
 
-    return make
+    yield make
+    delete_topologies(amqp_url, made)
 
 
 @pytest.fixture(scope="session")

@@ -250,6 +250,9 @@ def _prepare_postgresql(connection: Connection, lock_timeout: float) -> None:
 # these tables say how far a database got when that table does not tell (a user's own
 # revision was added on top of the worker's and recorded instead).
 _LEGACY_EVIDENCE = (("0004", {"consumer_offsets", "delivery_counts"}), ("0003", {"outbox"}))
+# The revisions the single history had when it was split; ``alembic_version`` can hold no
+# other worker revision (a later id found there is a user's own, e.g. their 0005).
+_LEGACY_REVISIONS = ("0004", "0003", "0002", "0001")
 
 
 def adopt_legacy_revision(connection: Connection) -> str | None:
@@ -271,11 +274,10 @@ def adopt_legacy_revision(connection: Connection) -> str | None:
     if "inbox" not in present:
         return None  # a new database: the worker's history creates everything
     script = scripts(histories.WORKER)
-    order = [rev.revision for rev in script.walk_revisions()]  # newest first
     recorded: tuple[str, ...] = ()
     if LEGACY_VERSION_TABLE in present:
         recorded = MigrationContext.configure(connection).get_current_heads()
-    known = [rev for rev in order if rev in recorded]
+    known = [rev for rev in _LEGACY_REVISIONS if rev in recorded]  # newest first
     if known:
         revision, source = known[0], LEGACY_VERSION_TABLE
     else:

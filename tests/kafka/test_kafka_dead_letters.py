@@ -104,8 +104,13 @@ async def test_poison_and_exhausted_records_reach_the_dead_letter_topic(
     listed = [json.loads(line) for line in listing.stdout.splitlines()]
     assert sorted(item["id"] or "-" for item in listed) == ["-", "m1", "m2", "m4"]
     assert all(item["reason"] for item in listed)
-    moved = await arun_cli(env, "dlq", "--resubmit")
-    assert moved.returncode == 0 and "re-submitted 4" in moved.stderr, moved.stderr
+    moved = await arun_cli(env, "dlq", "--resubmit")  # the id-less one stays by default
+    assert moved.returncode == 0 and "re-submitted 3" in moved.stderr, moved.stderr
+    assert "left out 1 dead letters without a message id" in moved.stderr
+    left = await KafkaAdmin(kafka).dead_letters(100)
+    assert [(letter.message_id, letter.reason) for letter in left] == [(None, "no message id")]
+    moved = await arun_cli(env, "dlq", "--resubmit", "--include-no-id")
+    assert moved.returncode == 0 and "re-submitted 1" in moved.stderr, moved.stderr
     assert await KafkaAdmin(kafka).dead_letters(100) == []
     again, _ = await read_all(bootstrap, topic, 1)
     back = again[7:]

@@ -214,16 +214,18 @@ def test_a_users_revision_next_to_a_new_worker_revision(
     the old README had it) and the worker's next release with its own ``0005`` made
     ``worker migrate`` fail with "Multiple head revisions". In their own histories both apply,
     even under the same revision id."""
+    [head] = heads()
+    following = f"{int(head) + 1:04d}"
     worker_versions = tmp_path / "worker_versions"
     shutil.copytree(histories.WORKER.versions, worker_versions, ignore=ignore_caches)
-    write_revision(worker_versions / "0005_next.py", "0005", "0004", "worker_next_release")
+    write_revision(worker_versions / "9_next.py", following, head, "worker_next_release")
     monkeypatch.setattr(histories, "WORKER", History("worker", worker_versions))
 
     package = f"shop_{uuid.uuid4().hex[:8]}"
     (tmp_path / package / "migrations" / "versions").mkdir(parents=True)
     (tmp_path / package / "__init__.py").write_text("")
-    user = tmp_path / package / "migrations" / "versions" / "0005_orders.py"
-    write_revision(user, "0005", None, "orders", after="worker_next_release")  # worker's first
+    user = tmp_path / package / "migrations" / "versions" / f"{following}_orders.py"
+    write_revision(user, following, None, "orders", after="worker_next_release")  # worker first
     monkeypatch.syspath_prepend(str(tmp_path))
     shop = application_history(package)
     assert shop is not None and shop.name == package
@@ -231,8 +233,8 @@ def test_a_users_revision_next_to_a_new_worker_revision(
     url = f"sqlite+aiosqlite:///{tmp_path / 'both.db'}"
     upgrade(url, applications=[shop])
     assert {"worker_next_release", "orders"} <= tables(url)
-    assert versions(url, VERSION_TABLE) == ["0005"]
-    assert versions(url, shop.version_table) == ["0005"]
+    assert versions(url, VERSION_TABLE) == [following]
+    assert versions(url, shop.version_table) == [following]
 
 
 def ignore_caches(_directory: str, names: list[str]) -> list[str]:

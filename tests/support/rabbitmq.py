@@ -1,7 +1,9 @@
 """The local RabbitMQ the tests use: its address, its control, and a throwaway vhost.
 
 Deleting the vhost at the end deletes every queue and exchange the tests
-declared in it, whatever state a failed test left them in.
+declared in it, whatever state a failed test left them in. Each test's own queues go
+at its end (:func:`delete_topologies`): a server keeps files open for every queue, and a
+session's worth of quorum queues ran a local server (1024 descriptors) out of them.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 
+import aio_pika
+
 from tests.support.services import require_command, require_service
-from worker.brokers.rabbitmq import RabbitMQSettings
+from worker.brokers.rabbitmq import RabbitMQSettings, delete_topology
 
 HOST, PORT = "127.0.0.1", 5672
 
@@ -53,3 +57,27 @@ def throwaway_vhost(prefix: str = "worker_test") -> Iterator[str]:
         yield name
     finally:
         rabbitmqctl("delete_vhost", name)
+
+
+NAMING = {"queue", "exchange", "retry_delays"}
+"""The settings that name what :func:`delete_topology` deletes."""
+
+
+def delete_topologies(url: str, made: list[RabbitMQSettings]) -> None:
+    """Delete, in the vhost of ``url``, the queues and exchanges of every settings a test
+    made, messages included.
+
+    Each is named by the settings (work queue, delay queues, dead-letter queue and
+    exchanges); deleting what was never declared is a no-op on the server. ``url`` is
+    the server's own address: a test's settings may point at a fault proxy long gone.
+    """
+    if made:
+        asyncio.run(_delete(url, made))
+
+
+async def _delete(url: str, made: list[RabbitMQSettings]) -> None:
+    names = {settings.model_dump_json(include=NAMING): settings for settings in made}
+    async with await aio_pika.connect(url, timeout=30) as connection:
+        channel = await connection.channel()
+        for settings in names.values():
+            await delete_topology(channel, settings)
