@@ -11,6 +11,7 @@ redeliveries: the memory broker on the message, RabbitMQ on its confirmed copy
 
 from __future__ import annotations
 
+import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -50,4 +51,45 @@ async def test_a_message_that_always_gives_back_uncounted_still_ends_dead_letter
     ]
     (letter,) = broker.dead_letters
     assert "delivered 3 times" in letter.reason
+    assert pump.stats["give-backs-bounded"] == 2
+
+
+def conflict_registry() -> Registry:
+    """A handler whose every transaction loses: a real serialization failure (40001)."""
+    registry = Registry()
+
+    @registry.handler("Conflict", CreditRequested, consumer="conflict")
+    async def conflict(ctx: Context, message: CreditRequested) -> None:
+        await ctx.session.execute(
+            text(
+                "DO $$ BEGIN RAISE EXCEPTION 'always loses' "
+                "USING ERRCODE = 'serialization_failure'; END $$"
+            )
+        )
+
+    return registry
+
+
+async def test_contention_that_never_ends_is_bounded_too(
+    engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
+) -> None:
+    """Contention is never the message's fault, so a spent retry budget gives the message
+    back uncounted; a message that always loses must still end, by the same bound."""
+    if engine.dialect.name != "postgresql":
+        pytest.skip("raises SQLSTATE 40001 from PL/pgSQL; SQLite's contention is its lock")
+    broker = MemoryBroker()
+    settings = make_settings(max_give_backs=2, max_deliveries=2, retry_budget=0.2)
+    async with run_pumps([broker.connect()], [engine], conflict_registry(), settings) as [pump]:
+        broker.publish("m1", "Conflict", credit_body("a", "1"))
+        await broker.wait_idle(timeout=60)
+    assert [(verb, count) for verb, mid, count in broker.history if mid == "m1"] == [
+        ("nack", 1),
+        ("nack", 1),
+        ("nack", 1),
+        ("nack", 2),
+        ("dead-letter", 3),
+    ]
+    (letter,) = broker.dead_letters
+    assert "delivered 3 times" in letter.reason
+    assert pump.stats["retrying"] > 0  # each delivery spent its retry budget first
     assert pump.stats["give-backs-bounded"] == 2

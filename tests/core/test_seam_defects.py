@@ -17,12 +17,14 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from handlers.credit import Account, CreditRequested, apply_credit
 from tests.support.credits import credit_body
-from tests.support.pumps import MakeSettings, RunPumps
+from tests.support.pumps import MakeSettings, RunPumps, running_pump
 from tests.support.waiting import wait_for
 from worker.brokers.memory import MemoryBroker, MemoryConsumer, MemoryMessage
 from worker.context import BatchContext, Context
 from worker.delivery import Delivery
+from worker.middleware import NextWork
 from worker.registry import Registry
+from worker.work import Work
 
 
 def verbs(broker: MemoryBroker, message_id: str | None) -> list[str]:
@@ -156,6 +158,38 @@ async def test_errors_in_decoding_or_the_key_function_are_poison_not_a_loop(
     assert "InvalidOperation" in reasons["huge"]
     assert all(verbs(broker, f"ok-{n}") == ["ack"] for n in range(5))  # no innocent nacks
     assert await balance(engine, "a") == 5
+
+
+async def test_an_unexpected_error_on_the_last_allowed_delivery_dead_letters(
+    engine: AsyncEngine, make_settings: MakeSettings
+) -> None:
+    """A bug outside any handler (here a work middleware that fails on one message) is a
+    counted nack, and on the last allowed delivery a dead letter with its reason: a
+    delivery that always meets it still ends. The others pass through untouched."""
+
+    async def failing(work: Work, call_next: NextWork) -> None:
+        if any(item.delivery.message_id == "bug" for item in work.items):
+            raise RuntimeError("a middleware bug")
+        await call_next(work)
+
+    broker = MemoryBroker()
+    broker.publish("bug", "Credit", credit_body("a", "1"))
+    for n in range(3):
+        broker.publish(f"ok-{n}", "Credit", credit_body("a", "1"))
+    settings = make_settings(max_deliveries=3)
+    async with running_pump(broker.connect(), engine, credits(), settings, middleware=[failing]):
+        await broker.wait_idle(timeout=20)
+    assert [(verb, count) for verb, mid, count in broker.history if mid == "bug"] == [
+        ("nack", 1),
+        ("nack", 2),
+        ("dead-letter", 3),
+    ]
+    (letter,) = broker.dead_letters
+    assert "failed 3 deliveries: unexpected error: RuntimeError: a middleware bug" in (
+        letter.reason
+    )
+    assert all(verbs(broker, f"ok-{n}") == ["ack"] for n in range(3))
+    assert await balance(engine, "a") == 3
 
 
 # -- 4. batch mode keeps a group's order across types --------------------------------------------
