@@ -51,10 +51,10 @@ from benchmarks.latency import CHANNEL, TRIGGER, WARM_UP, Watch
 from benchmarks.rabbitmq_vs_handwritten import CREDIT, MARK, admin_sql
 from benchmarks.throughput import AMOUNT, cpu_seconds
 from tests.kafka.kafka_helpers import TEST_QUIRKS, create_topic, settings_for, unique, worker_env
+from tests.support.migrations import migrate_with_the_example
 from tests.support.processes import REPO
 from tests.support.tansu import running_tansu
 from worker.db import create_engine
-from worker.migrate import upgrade
 
 CONCURRENCY = 16
 COMMIT_INTERVAL = 0.1
@@ -403,7 +403,7 @@ async def main(args: argparse.Namespace) -> int:
     rates: dict[Row, list[Result]] = {row: [] for row in ROWS}
     timings: dict[tuple[Row, str], list[Result]] = {}
     try:
-        await asyncio.to_thread(upgrade, args.database_url)
+        await asyncio.to_thread(migrate_with_the_example, args.database_url)
         await admin_sql(args.database_url, TRIGGER)
         with running_tansu() as tansu:
             args.bootstrap = tansu.bootstrap

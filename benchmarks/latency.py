@@ -55,11 +55,11 @@ from benchmarks.throughput import (
     run_disturbed,
     spawn,
 )
+from tests.support.migrations import migrate_with_the_example
 from tests.support.processes import free_port
 from tests.support.rabbitmq import guest_url
 from worker.brokers.rabbitmq import RabbitMQSettings, declare_topology
 from worker.db import create_engine
-from worker.migrate import upgrade
 
 ROWS = (
     BASELINE,
@@ -268,7 +268,7 @@ async def main(args: argparse.Namespace) -> int:
     await admin_sql(args.postgres, f'CREATE DATABASE "{name}"')
     results: dict[tuple[str, str], list[Timing]] = {}
     try:
-        await asyncio.to_thread(upgrade, args.database_url)
+        await asyncio.to_thread(migrate_with_the_example, args.database_url)
         await admin_sql(args.database_url, TRIGGER)
         db = create_engine(args.database_url, pool_size=1, max_overflow=0)
         try:
