@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from worker.errors import AlreadySettled
+from worker.errors import AlreadySettled, SettlementLost
 from worker.logs import scrub
 
 if TYPE_CHECKING:
@@ -44,6 +44,21 @@ class Settler(Protocol):
         deliveries (all of them this settler's): the adapter's own writes that must
         commit with it (Kafka: the offsets, with ``WORKER_KAFKA_OFFSETS=database``)."""
         ...
+
+
+H = TypeVar("H")
+
+
+async def ack_each(ack: Callable[[H], Awaitable[None]], handles: Sequence[H]) -> list[H]:
+    """``ack_many`` for a broker that settles one delivery per call: each acked on its own;
+    returns the handles whose settlement was lost."""
+    lost = []
+    for handle in handles:
+        try:
+            await ack(handle)
+        except SettlementLost:
+            lost.append(handle)
+    return lost
 
 
 class Delivery:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from worker.brokers import IdentityFunc, load_identity
 from worker.brokers.cloudevents import Contents, Event, contents, structured
 from worker.brokers.outgoing import Outgoing
-from worker.delivery import Delivery
+from worker.delivery import Delivery, ack_each
 from worker.errors import ConfigurationError, SettlementLost
 
 if TYPE_CHECKING:
@@ -352,13 +352,7 @@ class MemoryConsumer:
     async def ack_many(self, handles: Sequence[_Flight]) -> list[_Flight]:
         """One call for a batch's acks; returns the ones lost (their lock had expired)."""
         self.broker._count(self, "ack_many")
-        lost = []
-        for handle in handles:
-            try:
-                await self.ack(handle)
-            except SettlementLost:
-                lost.append(handle)
-        return lost
+        return await ack_each(self.ack, handles)
 
     def keep_alive(self, handle: _Flight, seconds: float) -> None:
         """Nothing: the visibility timeout, when set, is the test's lock and runs out as set."""

@@ -58,7 +58,7 @@ from worker.brokers.kafka.records import header_message_id, record_contents, rec
 from worker.brokers.kafka.settings import FETCH_WAIT_MS, start_client
 from worker.brokers.kafka.store import RESERVE_AHEAD, open_store
 from worker.brokers.kafka.watchdog import Watchdog
-from worker.delivery import Delivery
+from worker.delivery import Delivery, ack_each
 from worker.errors import BrokerUnavailable, ConfigurationError, SettlementLost
 from worker.logs import get_logger
 
@@ -389,13 +389,7 @@ class KafkaConsumer:
 
     async def ack_many(self, handles: Sequence[Handle]) -> list[Handle]:
         """Offsets settle one record at a time; the lost ones (revoked partitions)."""
-        lost = []
-        for handle in handles:
-            try:
-                await self.ack(handle)
-            except SettlementLost:
-                lost.append(handle)
-        return lost
+        return await ack_each(self.ack, handles)
 
     def keep_alive(self, handle: Handle, seconds: float) -> None:
         """The watchdog allows the record ``seconds`` from now, plus its margin."""

@@ -65,7 +65,7 @@ from worker.brokers.servicebus.messages import (
     default_message_id,
     handler_headers,
 )
-from worker.delivery import Delivery
+from worker.delivery import Delivery, ack_each
 from worker.errors import AlreadySettled, SettlementLost
 from worker.logs import get_logger
 from worker.retry import backoff
@@ -407,13 +407,7 @@ class ServiceBusConsumer:
 
     async def ack_many(self, handles: Sequence[Lock]) -> list[Lock]:
         """Service Bus completes one message per call: each on its own; the lost ones."""
-        lost = []
-        for handle in handles:
-            try:
-                await self.ack(handle)
-            except SettlementLost:
-                lost.append(handle)
-        return lost
+        return await ack_each(self.ack, handles)
 
     def keep_alive(self, handle: Lock, seconds: float) -> None:
         """The lock renewer keeps the lock for WORKER_SERVICEBUS_MAX_LOCK_RENEWAL already."""
