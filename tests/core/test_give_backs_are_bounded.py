@@ -41,16 +41,7 @@ async def test_a_message_that_always_gives_back_uncounted_still_ends_dead_letter
     async with run_pumps([broker.connect()], [engine], audit_registry(), settings) as [pump]:
         broker.publish("m1", "Audit", credit_body("a", "1"))
         await broker.wait_idle(timeout=30)
-    # two give-backs uncounted (count 1 stays 1), then counted until past the limit
-    assert [(verb, count) for verb, mid, count in broker.history if mid == "m1"] == [
-        ("nack", 1),
-        ("nack", 1),
-        ("nack", 1),
-        ("nack", 2),
-        ("dead-letter", 3),
-    ]
-    (letter,) = broker.dead_letters
-    assert "delivered 3 times" in letter.reason
+    assert_given_back_twice_then_counted_out(broker)
     assert pump.stats["give-backs-bounded"] == 2
 
 
@@ -82,6 +73,14 @@ async def test_contention_that_never_ends_is_bounded_too(
     async with run_pumps([broker.connect()], [engine], conflict_registry(), settings) as [pump]:
         broker.publish("m1", "Conflict", credit_body("a", "1"))
         await broker.wait_idle(timeout=60)
+    assert_given_back_twice_then_counted_out(broker)
+    assert pump.stats["retrying"] > 0  # each delivery spent its retry budget first
+    assert pump.stats["give-backs-bounded"] == 2
+
+
+def assert_given_back_twice_then_counted_out(broker: MemoryBroker) -> None:
+    """With ``max_give_backs=2, max_deliveries=2``: two give-backs uncounted (count 1 stays
+    1), then counted until past the limit, and dead-lettered for that."""
     assert [(verb, count) for verb, mid, count in broker.history if mid == "m1"] == [
         ("nack", 1),
         ("nack", 1),
@@ -91,5 +90,3 @@ async def test_contention_that_never_ends_is_bounded_too(
     ]
     (letter,) = broker.dead_letters
     assert "delivered 3 times" in letter.reason
-    assert pump.stats["retrying"] > 0  # each delivery spent its retry budget first
-    assert pump.stats["give-backs-bounded"] == 2

@@ -218,7 +218,7 @@ def test_a_users_revision_next_to_a_new_worker_revision(
     following = f"{int(head) + 1:04d}"
     worker_versions = tmp_path / "worker_versions"
     shutil.copytree(histories.WORKER.versions, worker_versions, ignore=ignore_caches)
-    write_revision(worker_versions / "9_next.py", following, head, "worker_next_release")
+    write_revision(worker_versions / f"{following}_next.py", following, head, "worker_next_release")
     monkeypatch.setattr(histories, "WORKER", History("worker", worker_versions))
 
     package = f"shop_{uuid.uuid4().hex[:8]}"
