@@ -4,6 +4,7 @@ a project of a user's own (a pytest run in a directory with nothing of this repo
 from __future__ import annotations
 
 import importlib
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -12,6 +13,8 @@ from pathlib import Path
 
 from tests.support.processes import REPO, clean_env
 from tests.support.services import unavailable
+
+IGNORED = shutil.ignore_patterns("__pycache__")
 
 USER_TEST = """
 import pytest
@@ -37,6 +40,8 @@ async def test_prove(worker_database):
 
 def user_project(tmp_path: Path, *args: str, autoload: bool) -> subprocess.CompletedProcess[str]:
     (tmp_path / "test_user.py").write_text(USER_TEST)
+    # the user's own handlers: a copy of the example (the package does not install it)
+    shutil.copytree(REPO / "handlers", tmp_path / "handlers", ignore=IGNORED)
     env = clean_env()
     env.pop("PYTEST_ADDOPTS", None)
     if not autoload:

@@ -16,15 +16,9 @@ from tests.testing import wrong_handlers as wrong
 from worker.registry import Registry
 from worker.testing import Scratch, Settled
 from worker.testing.harness import Harness, harness_settings
-from worker.testing.probe import (
-    Crash,
-    Plan,
-    guarded,
-    read_tables,
-    sets_plain_values,
-    written_table,
-)
+from worker.testing.probe import Crash, Plan
 from worker.testing.scratch import SQLiteScratch
+from worker.testing.statements import guarded, read_tables, sets_plain_values, written_table
 
 CREDIT = {"account_id": "acct-1", "amount": "10.00"}
 
@@ -134,3 +128,17 @@ def test_the_wrong_handlers_models_stay_out_of_worker_base() -> None:
     from worker.db import Base
 
     assert not set(wrong.Base.metadata.tables) & set(Base.metadata.tables)
+
+
+def test_an_orm_update_guarded_by_a_version_is_guarded() -> None:
+    """``update(Model).where(Model.version == seen)``: the ORM compares annotated copies of
+    the table's columns, which are still that table's."""
+
+    class Context:
+        def __init__(self, statement: Any) -> None:
+            self.compiled = statement.compile(dialect=sqlite.dialect())
+
+    stock = wrong.GuardedStock
+    by_version = update(stock).where(stock.sku == "s-1", stock.version == 1).values(available=3)
+    assert guarded(Context(by_version)) is True
+    assert guarded(Context(update(stock).where(stock.sku == "s-1").values(available=3))) is False

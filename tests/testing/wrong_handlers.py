@@ -14,12 +14,17 @@ the models live on a declarative base of this module's own, so that worker.Base'
    claim: a rollback or a redelivery charges again.
 4. ``RENAMING``: an upsert of an absolute value, rightly without the inbox, that announces
    the change with an outbox row of its own whose id is a new ``uuid4()`` on every attempt.
+5. ``FORGETFUL``: a credit that remembers, per connection pool, the messages it handled, and
+   skips them: memory that outlives a rollback, so a crash loses the credit.
+
+tests/testing/evaluation.py has many more, and their fixes.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+import weakref
 from decimal import Decimal
 
 import httpx
@@ -119,7 +124,7 @@ class Rename(BaseModel):
     name: str
 
 
-async def _credit(ctx: Context, message: Credit) -> None:
+async def credit_wallet(ctx: Context, message: Credit) -> None:
     wallet = await ctx.session.get(Wallet, message.wallet_id)
     if wallet is None:
         row = {"id": message.wallet_id, "balance": Decimal(0), "version": 1}
@@ -128,7 +133,7 @@ async def _credit(ctx: Context, message: Credit) -> None:
     wallet.balance += message.amount
 
 
-def _audit_row(ctx: Context, message: Credit) -> dict[str, object]:
+def audit_row(ctx: Context, message: Credit) -> dict[str, object]:
     return {"credit_id": ctx.message_id, "wallet_id": message.wallet_id, "amount": message.amount}
 
 
@@ -156,10 +161,10 @@ async def dispose_audit_engines() -> None:
 
 @ESCAPING.handler("WalletCredited", Credit, consumer="audited-credit")
 async def audited_credit(ctx: Context, message: Credit) -> None:
-    await _credit(ctx, message)
+    await credit_wallet(ctx, message)
     # WRONG: "the audit row must survive a failed credit", so it commits on its own
     async with _audit_engine(ctx).begin() as connection:
-        await connection.execute(insert(AuditEntry).values(_audit_row(ctx, message)))
+        await connection.execute(insert(AuditEntry).values(audit_row(ctx, message)))
 
 
 AUDIT_DATABASE = {"url": ""}
@@ -170,13 +175,13 @@ ESCAPING_ELSEWHERE = Registry()
 
 @ESCAPING_ELSEWHERE.handler("WalletCredited", Credit, consumer="audited-credit")
 async def audited_credit_elsewhere(ctx: Context, message: Credit) -> None:
-    await _credit(ctx, message)
+    await credit_wallet(ctx, message)
     # WRONG as well: in a database of its own, it commits on its own too
     url = AUDIT_DATABASE["url"]
     if url not in _audit_engines:
         _audit_engines[url] = create_async_engine(url)
     async with _audit_engines[url].begin() as connection:
-        await connection.execute(insert(AuditEntry).values(_audit_row(ctx, message)))
+        await connection.execute(insert(AuditEntry).values(audit_row(ctx, message)))
 
 
 ESCAPING_FIXED = Registry()
@@ -184,8 +189,8 @@ ESCAPING_FIXED = Registry()
 
 @ESCAPING_FIXED.handler("WalletCredited", Credit, consumer="audited-credit")
 async def audited_credit_fixed(ctx: Context, message: Credit) -> None:
-    await _credit(ctx, message)
-    await ctx.session.execute(insert(AuditEntry).values(_audit_row(ctx, message)))
+    await credit_wallet(ctx, message)
+    await ctx.session.execute(insert(AuditEntry).values(audit_row(ctx, message)))
 
 
 # -- 2. a read-modify-write without a version token -----------------------------------------
@@ -290,3 +295,18 @@ async def rename_fixed(ctx: Context, message: Rename) -> None:
     await _set_name(ctx, message)
     body = {"profile_id": message.profile_id, "name": message.name}
     await ctx.publish("ProfileNameChanged", body)  # its id is derived from the message's
+
+
+# -- 5. memory that outlives a rollback ------------------------------------------------------
+
+FORGETFUL = Registry()
+_handled: weakref.WeakKeyDictionary[Engine, set[str]] = weakref.WeakKeyDictionary()
+
+
+@FORGETFUL.handler("WalletCredited", Credit, consumer="credit-once")
+async def credit_once_per_pool(ctx: Context, message: Credit) -> None:
+    handled = _handled.setdefault(ctx.session.get_bind().engine, set())
+    if ctx.message_id in handled:  # WRONG: remembered although the transaction may roll back
+        return
+    handled.add(ctx.message_id)
+    await credit_wallet(ctx, message)

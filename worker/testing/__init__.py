@@ -6,31 +6,32 @@ are idempotent under the races the worker exists for.
   replicas at once, then read the settlements, dead letters, inbox markers, claims,
   outbox rows and tables.
 - :func:`prove_idempotent` (``worker check`` on the command line): sample messages
-  through duplicates, twins, crashes at every statement, a concurrent writer and a
-  lost ack, each compared with applying every message once.
+  through duplicates, twins, separate replicas, crashes at every statement, a concurrent
+  writer, two messages racing, messages out of order, late redeliveries and a lost ack,
+  each compared with applying every message once.
 
 The pytest plugin (:mod:`worker.testing.plugin`) is registered under the ``pytest11``
 entry point: installing the package is enough. See docs/testing.md.
 """
 
-from worker.testing.check import (
+from worker.testing.causes import (
+    COMMITTED,
     ESCAPED,
     LOST,
     NEW_ID,
     NO_INBOX,
     NO_TOKEN,
     NOT_ONCE,
+    OUT_OF_ORDER,
     OUTSIDE_CLAIM,
+    RACED,
     REPEATED_CALL,
-    SCENARIOS,
+    STATE,
+    SWALLOWED,
     UNKNOWN,
-    Finding,
-    NotIdempotent,
-    Report,
-    Sample,
-    check_idempotent,
-    prove_idempotent,
+    UNSTABLE,
 )
+from worker.testing.check import Sample, check_idempotent, prove_idempotent
 from worker.testing.harness import (
     Delivered,
     Harness,
@@ -41,9 +42,11 @@ from worker.testing.harness import (
     harness,
 )
 from worker.testing.probe import SimulatedCrash
+from worker.testing.report import SCENARIOS, Finding, NotIdempotent, Report
 from worker.testing.scratch import Scratch, open_scratch
 
 __all__ = [
+    "COMMITTED",
     "ESCAPED",
     "LOST",
     "NEW_ID",
@@ -51,9 +54,14 @@ __all__ = [
     "NO_INBOX",
     "NO_TOKEN",
     "OUTSIDE_CLAIM",
+    "OUT_OF_ORDER",
+    "RACED",
     "REPEATED_CALL",
     "SCENARIOS",
+    "STATE",
+    "SWALLOWED",
     "UNKNOWN",
+    "UNSTABLE",
     "Delivered",
     "Finding",
     "Harness",

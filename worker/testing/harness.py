@@ -29,9 +29,10 @@ from worker.brokers.memory import MemoryBroker
 from worker.db import create_engine
 from worker.inbox import TABLE as INBOX
 from worker.outbox.model import table as OUTBOX
-from worker.pump import Pump
 from worker.registry import Registry, Runs, registry
 from worker.settings import Settings
+from worker.testing.core import Pump
+from worker.testing.isolation import Isolation, Replica
 from worker.testing.probe import Plan, Probe
 from worker.testing.scratch import Scratch, scratch_for
 from worker.testing.tables import find_table
@@ -124,7 +125,12 @@ class OutboxRow:
 
 
 class Harness:
-    """Two pumps on one memory broker over one database; see the module docstring."""
+    """Two pumps on one memory broker over one database; see the module docstring.
+
+    ``isolation``: each replica runs the handlers on a copy of their modules' state of
+    its own (:mod:`worker.testing.isolation`), ``amnesia`` forgetting it before every
+    stage; without it every replica shares the modules as they are.
+    """
 
     def __init__(
         self,
@@ -136,6 +142,8 @@ class Harness:
         plan: Plan | None = None,
         settle_within: float = 30.0,
         models: Sequence[MetaData] = (),
+        isolation: Isolation | None = None,
+        amnesia: bool = False,
     ) -> None:
         self.registry = handlers
         self.models = tuple(models)
@@ -147,16 +155,20 @@ class Harness:
         self.engine: AsyncEngine = self.engines[0]
         """The first replica's engine: read the database through it."""
         self.probe = Probe((e.sync_engine for e in self.engines), database_url, plan)
+        self.replicas: list[Replica | None] = [
+            isolation.replica(amnesia=amnesia) if isolation is not None else None
+            for _ in self.engines
+        ]
         self.pumps = [
             Pump(
                 self.broker.connect(),
                 engine,
-                handlers,
+                replica.registry if replica is not None else handlers,
                 settings,
                 name=f"replica-{n + 1}",
-                stage_middleware=[self.probe],
+                stage_middleware=[self.probe.middleware(replica)],
             )
-            for n, engine in enumerate(self.engines)
+            for n, (engine, replica) in enumerate(zip(self.engines, self.replicas, strict=True))
         ]
         self._ids = itertools.count(1)
         self._stack = contextlib.AsyncExitStack()
@@ -175,6 +187,9 @@ class Harness:
         finally:
             for engine in self.engines:
                 await engine.dispose()
+            for replica in self.replicas:
+                if replica is not None:
+                    replica.keep()
 
     # -- delivering ------------------------------------------------------------------
 

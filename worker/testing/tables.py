@@ -43,6 +43,7 @@ class TableSpec:
     columns: tuple[str, ...]
     key: tuple[str, ...] = ()
     ignored: frozenset[str] = frozenset()  # never comparable: surrogate keys, timestamps
+    reasons: Mapping[str, str] = field(default_factory=dict)  # why each is ignored
 
 
 @dataclass(slots=True)
@@ -192,32 +193,99 @@ async def find_table(
 def _spec(table: Table) -> TableSpec:
     columns = tuple(column.name for column in table.columns)
     key = tuple(column.name for column in table.primary_key.columns)
-    ignored = set()
+    reasons = {}
     surrogate = table.autoincrement_column
     if surrogate is not None:
-        ignored.add(surrogate.name)
+        reasons[surrogate.name] = NUMBERED
     elif len(key) == 1 and isinstance(table.columns[key[0]].type, Integer):
-        ignored.add(key[0])  # a reflected integer key: the database numbers it
+        reasons[key[0]] = NUMBERED  # a reflected integer key: the database numbers it
     for column in table.columns:
         filled = column.server_default is not None or column.default is not None
         if isinstance(column.type, DateTime) and (filled or column.onupdate is not None):
-            ignored.add(column.name)
+            reasons[column.name] = STAMPED
     order = list(table.primary_key.columns) or list(table.columns)
-    return TableSpec(table.name, select(table).order_by(*order), columns, key, frozenset(ignored))
+    return TableSpec(
+        table.name,
+        select(table).order_by(*order),
+        columns,
+        key,
+        frozenset(reasons),
+        reasons,
+    )
+
+
+NUMBERED = "a key the database numbers"
+STAMPED = "a time the database or a default fills in"
+VOLATILE = "differs between two runs that apply each message once"
+
+
+def left_out(specs: Sequence[TableSpec], volatile: Mapping[str, frozenset[str]]) -> list[str]:
+    """Every column no comparison reads, with why: one line per reason."""
+    by_reason: dict[str, list[str]] = {}
+    for spec in specs:
+        for column in spec.columns:
+            why = spec.reasons.get(column)
+            if why is None and column in volatile.get(spec.name, ()):
+                why = VOLATILE
+            if why is not None:
+                by_reason.setdefault(why, []).append(f"{spec.name}.{column}")
+    return [f"not compared: {', '.join(names)} ({why})" for why, names in by_reason.items()]
+
+
+def unstable(
+    first: Snapshot, second: Snapshot, start: Snapshot, specs: Sequence[TableSpec]
+) -> list[str]:
+    """How two runs that apply every message once, from the same rows, disagree beyond
+    values that change from run to run: a table with another number of rows, or a value
+    the second run left as it was at the start where the first changed it (the work was
+    skipped: something outside the database said it was done)."""
+    found = []
+    for spec in specs:
+        a, b = first.get(spec.name, []), second.get(spec.name, [])
+        if len(a) != len(b):
+            found.append(f"{spec.name}: {len(a)} rows, then {len(b)}")
+            continue
+        if not spec.key or set(spec.key) & spec.ignored:
+            continue
+        before = {_project(row, spec.key): row for row in start.get(spec.name, [])}
+        after = {_project(row, spec.key): row for row in b}
+        for row in a:
+            key = _project(row, spec.key)
+            old, again = before.get(key), after.get(key)
+            if old is None or again is None:
+                continue
+            for column in spec.columns:
+                if column in spec.ignored or row[column] == again[column]:
+                    continue
+                if again[column] == old[column]:
+                    where = ", ".join(show(part) for part in key)
+                    found.append(
+                        f"{spec.name}: {where}: {column} {show(row[column])}, then "
+                        f"{show(again[column])} (as at the start)"
+                    )
+    return found
 
 
 # -- reading and comparing ----------------------------------------------------------------
 
 
-async def snapshot(engine: AsyncEngine, specs: Sequence[TableSpec]) -> Snapshot:
+async def snapshot(source: AsyncEngine | AsyncConnection, specs: Sequence[TableSpec]) -> Snapshot:
+    """The tables of ``specs`` as they are, read on a connection of ``source`` (or on the
+    connection given: inside its transaction)."""
+    if isinstance(source, AsyncConnection):
+        return await _read(source, specs)
+    async with source.connect() as connection:
+        return await _read(connection, specs)
+
+
+async def _read(connection: AsyncConnection, specs: Sequence[TableSpec]) -> Snapshot:
     found: Snapshot = {}
-    async with engine.connect() as connection:
-        for spec in specs:
-            result = await connection.execute(spec.query)
-            found[spec.name] = [
-                {name: freeze(value) for name, value in zip(spec.columns, row, strict=True)}
-                for row in result
-            ]
+    for spec in specs:
+        result = await connection.execute(spec.query)
+        found[spec.name] = [
+            {name: freeze(value) for name, value in zip(spec.columns, row, strict=True)}
+            for row in result
+        ]
     return found
 
 
