@@ -28,11 +28,17 @@ WORKDIR /src
 # the build backend (setuptools) too.
 COPY deploy/requirements.lock ./
 RUN /opt/worker/bin/pip install --no-compile --no-deps --require-hashes -r requirements.lock
-# The source layer: the package itself, built offline with the locked setuptools.
-COPY pyproject.toml README.md ./
+# The source layer: the package itself, built offline with the locked setuptools. The
+# example application (handlers/, the default WORKER_HANDLERS=handlers) is no part of the
+# package: it goes beside it, in /opt/worker/example, which a .pth file puts LAST on the
+# path, so a `handlers` package of your own (in the working directory, on PYTHONPATH or
+# installed) is imported before it.
+COPY pyproject.toml README.md LICENSE ./
 COPY worker ./worker
 COPY handlers ./handlers
 RUN /opt/worker/bin/pip install --no-compile --no-deps --no-index --no-build-isolation . \
+    && mkdir /opt/worker/example && cp -r handlers /opt/worker/example/ \
+    && /opt/worker/bin/python -c "import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()['purelib'], 'idempotent_worker_example.pth').write_text('/opt/worker/example\n')" \
     && /opt/worker/bin/python -m compileall -q /opt/worker
 
 # Final stage: the interpreter, the virtualenv, a non-root user; no pip cache, no sources.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -13,6 +14,11 @@ import pytest
 
 from tests.support.processes import REPO, clean_env, console_script, json_env, run_cli
 from worker.logs import scrub
+
+# The example application on the path, as a project of one's own would be: the package does
+# not install it (a top-level `handlers` would shadow a user's own).
+EXAMPLE = {"PYTHONPATH": str(REPO)}
+IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc")
 
 
 @pytest.mark.parametrize(
@@ -48,7 +54,7 @@ def test_bad_configuration_stops_at_start_with_one_line(
 
 
 def test_migrate_creates_the_schema(tmp_path: Path) -> None:
-    result = run_cli(json_env(), "migrate", cwd=tmp_path)
+    result = run_cli(json_env(EXAMPLE), "migrate", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     tables = {
         row[0]
@@ -133,7 +139,7 @@ def test_both_forms_import_handlers_from_the_project_folder(form: str, tmp_path:
 
 
 def test_demo_shows_the_naive_handler_wrong_and_the_worker_exact(tmp_path: Path) -> None:
-    result = run_cli(clean_env(), "demo", "--messages", "200", cwd=tmp_path)
+    result = run_cli({**clean_env(), **EXAMPLE}, "demo", "--messages", "200", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     table = dict(
         (line[:30].strip(), line[30:].split())
@@ -151,7 +157,7 @@ def test_demo_shows_the_naive_handler_wrong_and_the_worker_exact(tmp_path: Path)
 
 def test_database_password_never_reaches_the_log(tmp_path: Path) -> None:
     url = "postgresql+asyncpg://app:hunter2@127.0.0.1:1/app"  # nothing listens on port 1
-    env = json_env({"WORKER_DATABASE_URL": url, "WORKER_START_TIMEOUT": "0"})
+    env = json_env({"WORKER_DATABASE_URL": url, "WORKER_START_TIMEOUT": "0", **EXAMPLE})
     result = run_cli(env, "run", cwd=tmp_path)
     assert result.returncode == 1
     assert "database unavailable at start, giving up" in result.stderr
@@ -202,3 +208,39 @@ def test_a_secret_in_an_exception_is_scrubbed_in_every_format(fmt: str) -> None:
     text = buffer.getvalue()
     assert "RuntimeError" in text and "app:***@db.internal" in text
     assert "hunter2" not in text
+
+
+def test_the_wheel_installs_no_top_level_handlers_package(tmp_path: Path) -> None:
+    """It installed the example as `handlers` beside `worker`: a user's own `handlers`
+    package was shadowed. Built from what the image's build context holds (a clean copy,
+    handlers/ included), the wheel holds `worker` alone, and the LICENSE its metadata names.
+    """
+    import zipfile
+
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(REPO / name, source / name)
+    for folder in ("worker", "handlers"):
+        shutil.copytree(REPO / folder, source / folder, ignore=IGNORED)
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(source)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert built.returncode == 0, built.stderr
+    [wheel] = tmp_path.glob("idempotent_worker-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
+    assert tops == {"worker"}, tops
+    assert any(name.endswith(".dist-info/licenses/LICENSE") for name in names), names
+    assert "Apache License" in (REPO / "LICENSE").read_text()
+
+
+def test_the_demo_outside_a_checkout_says_where_it_runs(tmp_path: Path) -> None:
+    result = run_cli(clean_env(), "demo", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("worker: configuration error: worker demo runs the example")
+    assert "Traceback" not in result.stderr

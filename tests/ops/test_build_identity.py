@@ -3,9 +3,12 @@ from Prometheus, with the source revision the image was built from."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from importlib import metadata
+
+import pytest
 
 from tests.support.processes import REPO, clean_env
 from worker.metrics import REVISION_VARIABLE
@@ -26,11 +29,36 @@ def worker(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 def test_worker_version_names_the_package_version_and_the_revision() -> None:
     version = metadata.version("idempotent-worker")
-    result = worker("--version", **{REVISION_VARIABLE: "0123abc"})
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == f"worker {version} (revision 0123abc)"
-    bare = worker("--version")
-    assert bare.stdout.strip() == f"worker {version} (revision unknown)"
+    for flag in ("--version", "-V"):  # -V was an argparse error
+        result = worker(flag, **{REVISION_VARIABLE: "0123abc"})
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == f"worker {version} (revision 0123abc)"
+
+
+def test_in_a_git_checkout_the_revision_is_the_checkouts() -> None:
+    """It said "revision unknown" in the checkout it was installed from (pip install -e)."""
+    git = shutil.which("git")
+    if git is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    head = subprocess.run(
+        [git, "-C", str(REPO), "rev-parse", "--short=12", "HEAD"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=True,
+    ).stdout.strip()
+    version = metadata.version("idempotent-worker")
+    shown = worker("-V").stdout.strip()
+    assert shown in (
+        f"worker {version} (revision {head})",
+        f"worker {version} (revision {head}-dirty)",
+    )
+
+
+def test_the_package_has_a_version_attribute() -> None:
+    import worker as package
+
+    assert package.__version__ == metadata.version("idempotent-worker")
 
 
 def test_worker_build_info_is_exported_with_version_and_revision() -> None:

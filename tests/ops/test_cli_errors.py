@@ -1,8 +1,11 @@
-"""Every command turns a database or broker it cannot use into one line, exit code 1.
+"""Every command turns a database or broker it cannot use into one line.
 
 Real processes against the real local services: nothing listening, a refused
 login, no such database, a schema never migrated. The line names what failed,
-and no password appears anywhere in the output.
+and no password appears anywhere in the output. The exit code says which kind it
+is, the same for the database and the brokers: 1 for what may pass (nothing
+listening, a schema not migrated yet), 2 for configuration no retry fixes (a refused
+login, a database or virtual host that does not exist).
 """
 
 from __future__ import annotations
@@ -78,14 +81,24 @@ def test_database_refuses_the_login(command: tuple[str, ...], tmp_path: Path) ->
     role = f"nobody_{uuid.uuid4().hex[:6]}"  # trust auth here: a wrong role is the refusal
     url = f"postgresql+asyncpg://{role}:{SECRET}@{PG_HOST}/postgres"
     result = run_cli(database_env(url, tmp_path), *command)
-    one_line(result, "worker: database refused the login: ", f'role "{role}" does not exist')
+    one_line(
+        result,
+        f"worker: configuration error: WORKER_DATABASE_URL=postgresql+asyncpg://{role}:***@",
+        f'login refused (role "{role}" does not exist)',
+        code=2,
+    )
 
 
 @pytest.mark.postgres
 def test_no_such_database(tmp_path: Path) -> None:
     require_service("127.0.0.1", 5432, "PostgreSQL")
     url = f"postgresql+asyncpg://postgres:{SECRET}@{PG_HOST}/no_such_{uuid.uuid4().hex[:6]}"
-    one_line(run_cli(database_env(url, tmp_path), "migrate"), "worker: database does not exist:")
+    one_line(
+        run_cli(database_env(url, tmp_path), "migrate"),
+        "worker: configuration error: WORKER_DATABASE_URL=postgresql+asyncpg://postgres:***@",
+        "no such database",
+        code=2,
+    )
 
 
 @pytest.mark.postgres
@@ -228,7 +241,9 @@ def test_migrate_check_calls_a_refused_login_refused_in_one_line(tmp_path: Path)
     role = f"nobody_{uuid.uuid4().hex[:6]}"
     url = f"postgresql+asyncpg://{role}:{SECRET}@{PG_HOST}/postgres"
     result = run_cli(database_env(url, tmp_path), "migrate", "--check")
-    line = one_line(result, "worker: database refused the login: ", f'role "{role}" does not exist')
+    line = one_line(
+        result, "worker: configuration error: ", f'role "{role}" does not exist', code=2
+    )
     assert "unavailable" not in line and "sqlalche.me" not in line and "\\n" not in line
 
 
