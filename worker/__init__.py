@@ -5,6 +5,8 @@ Handlers are registered with :func:`handler` and get a :class:`Context` whose
 This module is the handler author's whole API: ``handlers/`` imports only from here.
 """
 
+from importlib import metadata as _metadata
+
 from worker.claims import ClaimContext, side_effect
 from worker.concurrency import Policy, guarded_delete, guarded_update, save
 from worker.context import BatchContext, Context
@@ -21,6 +23,11 @@ from worker.errors import (
 from worker.registry import Registry, handler, registry
 from worker.settings import handler_settings
 from worker.settings import load as load_settings
+
+try:
+    __version__ = _metadata.version("idempotent-worker")
+except _metadata.PackageNotFoundError:  # a source tree on PYTHONPATH, never installed
+    __version__ = "unknown"
 
 __all__ = [
     "Base",

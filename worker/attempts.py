@@ -1,8 +1,8 @@
 """Delivery counts kept in the database: attempts that started, not deliveries returned.
 
 A broker counts returns: every delivery a dead process held comes back counted,
-whether it was running or only prefetched, parked behind a key or waiting in a batch
-bucket. Kafka counts nothing at all, and an adapter that counts in memory starts
+whether it was running or only prefetched, or parked behind a key or a partition.
+Kafka counts nothing at all, and an adapter that counts in memory starts
 again at 1 after a restart. With ``WORKER_DELIVERY_COUNTS=database`` (the default)
 the worker counts instead what actually started: :func:`count` runs when a
 redelivery's unit of work starts (never while it is only held), one upsert in its
@@ -98,11 +98,9 @@ async def _autocommitted(engine: AsyncEngine, statement: Any, params: dict[str, 
 
 
 def every_start(settings: Settings) -> bool:
-    """Whether first deliveries' starts are counted too: with
-    WORKER_COUNT_FIRST_DELIVERIES, and in batch mode, where a batch counts its members'
-    starts in one statement (so one that was only held in a bucket when its process died
-    starts again at 1)."""
-    return settings.count_first_deliveries or settings.batch_size > 1
+    """Whether first deliveries' starts are counted too (WORKER_COUNT_FIRST_DELIVERIES; a
+    group counts its members' in one statement)."""
+    return settings.count_first_deliveries
 
 
 def wanted(delivery: Delivery, settings: Settings) -> bool:
@@ -185,7 +183,7 @@ _COUNT_MANY = {
 async def count_many(
     engine: AsyncEngine, deliveries: Sequence[Delivery], consumer: str, settings: Settings
 ) -> bool:
-    """A batch's starts, counted in one statement (ids sorted: two batches sharing ids take
+    """A group's starts, counted in one statement (ids sorted: two groups sharing ids take
     their rows in one order); False when they could not be (each keeps its count)."""
     statement = _COUNT_MANY.get(engine.dialect.name)
     if settings.delivery_counts != "database" or statement is None or not deliveries:
@@ -214,28 +212,25 @@ _REFUND = (
 )
 
 
-async def refund(engine: AsyncEngine, delivery: Delivery, consumer: str) -> None:
+async def refund(engine: AsyncEngine, delivery: Delivery, consumer: str) -> bool:
     """Take back the start :func:`count` recorded: the delivery goes back uncounted (a
     shutdown, a pause, a conflict lost to another writer), and only a message's own
     failure may spend one. Only a start that was counted is refunded.
 
     Called before the give-back, so a crash in between costs nothing either. A crash
-    before it, the case the count is for, never refunds. If the database cannot be
-    reached, the count stays spent: one delivery, logged.
+    before it, the case the count is for, never refunds. False when the database could
+    not take it (worker.settle waits for it to answer, then tries again).
     """
     if delivery.message_id is None:
-        return
+        return True
     try:
         await _autocommitted(
             engine, _REFUND, {"refunded_id": delivery.message_id, "refunded_consumer": consumer}
         )
     except Exception as exc:
-        get_logger().warning(
-            "delivery count not refunded",
-            message_id=delivery.message_id,
-            delivery_count=delivery.delivery_count,
-            error=exc,
-        )
+        get_logger().debug("refund failed", message_id=delivery.message_id, error=exc)
+        return False
+    return True
 
 
 # Oldest first along ix_delivery_counts_updated_at, a bounded number of rows per statement.

@@ -6,7 +6,7 @@
 
 See :mod:`worker.claims` for what each state of the marker means to a redelivery.
 Errors the claim protocol does not decide itself (an outage, a broken statement) end
-as they would for an ordinary handler, through :class:`~worker.endings.Endings`.
+as they would for an ordinary handler, through :class:`~worker.judge.Judge`.
 """
 
 from __future__ import annotations
@@ -21,20 +21,23 @@ from pydantic import BaseModel
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from worker.claims import ClaimContext, ClaimFunc
-from worker.db import HANDLER_RUNNING, Failure, classify, discard
+from worker.context import HANDLER_RUNNING, guard
+from worker.db import Failure, classify, discard
 from worker.errors import Poison, Retry
-from worker.judge import Again
+from worker.judge import requested
 from worker.leases import Claim, Held, acquire, finish, keep, release
 from worker.logs import scrub
 from worker.retry import backoff
 from worker.verdict import Outcome, Verb, Verdict, last_delivery
 
 if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
     from worker.delivery import Delivery
-    from worker.endings import Endings
+    from worker.judge import Judge
     from worker.registry import Handler
     from worker.settings import Settings
-    from worker.work import Stage
+    from worker.transaction import Stage
 
 # Database trouble that is nobody's verdict on the claim: the pump pauses or gives back.
 _NOT_NOW = frozenset({Failure.CONNECTION, Failure.SCHEMA, Failure.LOCKED})
@@ -43,31 +46,28 @@ _NOT_NOW = frozenset({Failure.CONNECTION, Failure.SCHEMA, Failure.LOCKED})
 class ClaimRunner:
     """A side-effect handler on one delivery: claim with a lease, call, mark finished."""
 
-    def __init__(self, sessions: async_sessionmaker[Any], endings: Endings) -> None:
-        self.endings = endings
+    def __init__(
+        self, engine: AsyncEngine, sessions: async_sessionmaker[Any], judge: Judge
+    ) -> None:
+        guard(engine)
+        self.judge = judge
         self._sessions = sessions
 
     async def run(self, stage: Stage) -> list[Verdict]:
-        return [
-            await self.one(item.delivery, stage.handler, item.message(stage.handler))
-            for item in stage.items
-        ]
+        handler = stage.handler
+        return [await self.one(i.delivery, handler, i.message(handler)) for i in stage.items]
 
     async def one(self, delivery: Delivery, handler: Handler[Any], message: BaseModel) -> Verdict:
-        endings = self.endings
-        judge = endings.judge
+        judge = self.judge
         delivery.keep_alive(judge.settings.claim_lease)
         try:
             verdict = await process(
                 self._sessions, handler, message, delivery, judge.settings, judge.log
             )
         except Exception as exc:
-            ending = await endings.ended(delivery, handler, 1, exc, 0.0)
-            if isinstance(ending, Again):  # a connection dropped and the database answers
-                return judge.failed(delivery, handler.consumer, 1, exc)
-            return ending
+            return await judge.stopped(delivery, handler, exc)
         judge.note(delivery, handler.consumer, 1, verdict.outcome, reason=verdict.reason)
-        return replace(verdict, attempt=1)
+        return replace(verdict, attempt=1, consumer=handler.consumer)
 
 
 async def process(
@@ -191,12 +191,9 @@ async def run(
             poison = isinstance(exc, Poison) or classify(exc) is Failure.DATA
             abandon = poison or (last and not isinstance(exc, Retry))
             await release(sessions, claim, exc, log, abandon=abandon, who=who)
-            if isinstance(exc, Poison):
-                return Verdict(
-                    Verb.DEAD_LETTER, Outcome.POISON, scrub(f"{handler.consumer}: {exc}")
-                )
-            if isinstance(exc, Retry):
-                return Verdict(Verb.NACK, Outcome.RETRY_REQUESTED, scrub(str(exc)), exc.delay)
+            asked = requested(handler.consumer, exc, claim.attempts)
+            if asked is not None:
+                return replace(asked, reason=scrub(asked.reason or ""))
             raise
         try:
             finished = await finish(session, claim, result or "ok")

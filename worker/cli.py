@@ -15,11 +15,13 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 from collections import Counter
-from collections.abc import Iterable, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from worker import logs
@@ -38,32 +40,31 @@ if TYPE_CHECKING:
 
     from worker.brokers import Broker
     from worker.histories import History
+    from worker.migrate import Status
     from worker.pump import Pump
     from worker.registry import Registry
 
 
-def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch per command
-    put_project_on_path()
+def command_line() -> argparse.ArgumentParser:
+    """The command line: each command with what it does and the settings it reads."""
     parser = argparse.ArgumentParser(
         prog="worker",
         description="An idempotent message consumer, and the tools to operate it.",
-        epilog="Settings come from WORKER_* environment variables; see README.md.",
+        epilog="Settings come from WORKER_* environment variables: README.md, Configuration. "
+        "`worker COMMAND --help` says what a command does and which ones it reads.",
         formatter_class=_OneLinePerCommand,
     )
-    from worker.metrics import build_identity
-
     parser.add_argument(
-        "--version",
-        action="version",
-        version="%(prog)s {} (revision {})".format(*build_identity()),
+        "-V", "--version", action=_Version, help="print the version and revision, then exit"
     )
     commands = parser.add_subparsers(
         dest="command", required=True, title="commands", metavar="COMMAND"
     )
-    commands.add_parser("run", help="consume from WORKER_BROKER until SIGTERM/SIGINT")
-    migrate = commands.add_parser(
+    _command(commands, "run", "consume from WORKER_BROKER until SIGTERM/SIGINT")
+    migrate = _command(
+        commands,
         "migrate",
-        help="upgrade WORKER_DATABASE_URL: the worker's tables, then your handlers', or wait",
+        "upgrade WORKER_DATABASE_URL: the worker's tables, then your handlers', or wait",
     )
     gate = migrate.add_mutually_exclusive_group()
     gate.add_argument("--check", action="store_true", help="exit 0 if at head, 1 if not")
@@ -81,16 +82,16 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch p
         help="only the worker's own tables (your application runs its own Alembic)",
     )
     _revision_arguments(
-        commands.add_parser(
-            "revision", help="add a migration to your handlers' history (migrations/versions/)"
+        _command(
+            commands,
+            "revision",
+            "add a migration to your handlers' history (migrations/versions/)",
         )
     )
-    demo = commands.add_parser(
-        "demo", help="the race and its cure, on SQLite and the memory broker"
-    )
+    demo = _command(commands, "demo", "the race and its cure, on SQLite and the memory broker")
     demo.add_argument("--messages", type=int, default=400, help="credit messages to send")
-    publish = commands.add_parser(
-        "publish", help='send JSON lines {"id", "type", "body", "headers"?} to the work queue'
+    publish = _command(
+        commands, "publish", 'send JSON lines {"id", "type", "body", "headers"?} to the work queue'
     )
     publish.add_argument("file", nargs="?", default="-", help="JSON lines file; - for stdin")
     publish.add_argument(
@@ -100,35 +101,48 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch p
         "sends them again as new messages)",
     )
     _dlq_arguments(
-        commands.add_parser(
+        _command(
+            commands,
             "dlq",
-            help="list, group or re-submit dead letters, filtered by type, reason, time or id",
-            description=_DLQ_DESCRIPTION,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
+            "list, group or re-submit dead letters, filtered by type, reason, time or id",
         )
     )
-    sweep = commands.add_parser("sweep", help="list side-effect claims left past their lease")
+    sweep = _command(commands, "sweep", "list side-effect claims left past their lease")
     sweep.add_argument("--redrive", action="store_true", help="finish them from the stored body")
     sweep.add_argument("--limit", type=_positive, default=100, help="at most this many")
     sweep.add_argument("--abandoned", action="store_true", help="list abandoned claims instead")
-    commands.add_parser("purge-inbox", help="delete finished markers older than the retention")
-    relay = commands.add_parser("relay", help="send committed outbox rows to WORKER_BROKER")
+    _command(commands, "purge-inbox", "delete finished markers older than the retention")
+    relay = _command(commands, "relay", "send committed outbox rows to WORKER_BROKER")
     relay.add_argument("--once", action="store_true", help="send what is due, then exit")
-    outbox = commands.add_parser("outbox", help="list pending and parked outbox rows")
+    outbox = _command(commands, "outbox", "list pending and parked outbox rows")
     outbox.add_argument("--retry", action="store_true", help="re-queue the parked rows")
     outbox.add_argument("--limit", type=_positive, default=100, help="at most this many")
-    check = commands.add_parser(
-        "check", help="prove handlers idempotent on sample messages (docs/testing.md)"
+    check = _command(
+        commands, "check", "prove handlers idempotent on sample messages (docs/testing.md)"
     )
     check.add_argument("samples", help='JSON lines: {"type", "body"} messages, {"table", "row"}')
     check.add_argument("--table", action="append", default=[], help="compare this table")
     check.add_argument("--database", metavar="URL", help="PostgreSQL server for scratch databases")
     check.add_argument("--scenario", action="append", default=[], help="run only this scenario")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch per command
+    put_project_on_path()
+    line = command_line()
+    args = line.parse_args(argv)
+    if args.command == "revision" and not args.message and not args.dry_run:
+        line.error("revision: -m/--message is required (what the revision does), or --dry-run")
 
     try:
         settings = load(Settings, check=False)
         logs.configure(settings.log_level, settings.log_format)
+        if _serves_handlers(args):
+            # First, before the unknown-variable check imports them for their settings: a
+            # module that fails half-way would otherwise run its registrations twice.
+            from worker.registry import import_handlers
+
+            import_handlers(settings.handler_modules)
         check_environment(Settings)
         if args.command == "run":
             return asyncio.run(_serve(settings))
@@ -167,15 +181,14 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch p
             if args.command == "relay":
                 return asyncio.run(relay_command(settings, once=args.once))
             return asyncio.run(outbox_command(settings, retry=args.retry, limit=args.limit))
-        from worker.demo import demo as run_demo
-
+        run_demo = _demo()
         logs.configure("ERROR", settings.log_format)  # the demo's output is its table
         return asyncio.run(run_demo(messages=args.messages))
     except PublishStopped as exc:
         print(f"worker: publish stopped: {logs.scrub(str(exc))}", file=sys.stderr)
         return 2 if exc.configuration else 1
     except ConfigurationError as exc:
-        print(f"worker: configuration error: {exc}", file=sys.stderr)
+        print(f"worker: configuration error: {logs.scrub(str(exc))}", file=sys.stderr)
         return 2
     except BrokerUnavailable as exc:
         print(f"worker: broker unavailable: {logs.scrub(str(exc))}", file=sys.stderr)
@@ -183,12 +196,83 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch p
     except MigrationFailed as exc:
         print(f"worker: migration failed: {logs.scrub(str(exc))}", file=sys.stderr)
         return 1
-    except Exception as exc:  # a database that cannot serve: one line, not a traceback
-        line = database_failure(exc, args.command)
-        if line is None:
-            raise
-        print(line, file=sys.stderr)
+    except SchemaBehind as exc:
+        where = _database_named()
+        print(f"worker: database not migrated: {where}: {exc} ({exc.remedy})", file=sys.stderr)
         return 1
+    except Exception as exc:  # a database that cannot serve: one line, not a traceback
+        failure = database_failure(exc, args.command)
+        if failure is None:
+            raise
+        print(failure.line, file=sys.stderr)
+        return failure.code
+
+
+class _Version(argparse.Action):
+    """``worker -V``: the package's version and the source revision, looked up only when
+    asked (a source checkout asks git)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_args: Any, **_kwargs: Any) -> None:
+        import worker
+
+        print(f"{parser.prog} {worker.__version__} (revision {revision() or 'unknown'})")
+        parser.exit()
+
+
+def revision() -> str:
+    """The source revision: the image's (its build sets the variable), else the commit of the
+    git checkout the package runs from (an editable install; ``-dirty`` with uncommitted
+    changes to tracked files), else ""."""
+    from worker.metrics import REVISION_VARIABLE
+
+    told = os.environ.get(REVISION_VARIABLE, "").strip()
+    if told:
+        return told
+    checkout = Path(__file__).resolve().parent.parent
+    git = shutil.which("git")
+    if git is None or not (checkout / ".git").exists():  # a file in a worktree, else a folder
+        return ""
+    try:
+        head = _git(git, checkout, "rev-parse", "--short=12", "HEAD")
+        changes = _git(git, checkout, "status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):  # git refuses (not a repository, ownership)
+        return ""
+    return f"{head}-dirty" if changes else head
+
+
+def _git(git: str, checkout: Path, *command: str) -> str:
+    done = subprocess.run(
+        [git, "-C", str(checkout), *command], capture_output=True, text=True, timeout=10, check=True
+    )
+    return done.stdout.strip()
+
+
+def _demo() -> Callable[..., Coroutine[Any, Any, int]]:
+    """The demo, which runs the example application: the repository's ``handlers/``,
+    imported from the checkout (the package does not install it, so that it never shadows
+    a user's own ``handlers``)."""
+    try:
+        from worker.demo import demo
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] != "handlers":
+            raise
+        raise ConfigurationError(
+            "worker demo runs the example application, handlers/ of the source repository, "
+            "which the package does not install: run it in a checkout (README, Two commands)"
+        ) from None
+    return demo
+
+
+def _serves_handlers(args: argparse.Namespace) -> bool:
+    """Whether the command imports WORKER_HANDLERS (and refuses a module that fails to)."""
+    if args.command == "migrate":
+        return not args.worker_only
+    if args.command == "revision":
+        return not args.worker
+    return args.command in ("run", "check", "sweep")
 
 
 def put_project_on_path() -> None:
@@ -240,11 +324,17 @@ def _migrate(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _revision_arguments(revision: argparse.ArgumentParser) -> None:
-    revision.add_argument("-m", "--message", required=True, help="what the revision does")
+    revision.add_argument("-m", "--message", help="what the revision does (required to write)")
     revision.add_argument(
         "--autogenerate",
         action="store_true",
         help="from your models against WORKER_DATABASE_URL (migrated to head first)",
+    )
+    revision.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print what --autogenerate would write, write nothing: exit 0 when your models "
+        "and the database agree, 1 when a revision is needed",
     )
     revision.add_argument(
         "--application", help="the package to write for, when WORKER_HANDLERS names several"
@@ -266,6 +356,16 @@ def _revision(settings: Settings, args: argparse.Namespace) -> int:
     else:
         _applications(settings)  # the models autogenerate compares, and the refusal
         history = history_to_write(settings.handler_modules, args.application)
+    if args.dry_run:
+        from worker.migrate import pending_changes
+
+        changes = pending_changes(history, settings.database_url)
+        if not changes:
+            print(f"{history.name}: your models and the database agree: no revision needed")
+            return 0
+        print(f"{history.name}: `worker revision -m MESSAGE --autogenerate` would write:")
+        print(changes)
+        return 1
     path = revision(
         history,
         args.message,
@@ -366,22 +466,130 @@ def line_ranges(numbers: Sequence[int]) -> str:
     return ",".join(ranges)
 
 
-# -- worker dlq ------------------------------------------------------------------
+# -- what each command's --help says -----------------------------------------------
 
-_DLQ_DESCRIPTION = """\
-List the dead letters with their reasons: a table on a terminal, JSON lines when
-piped (or with --json). Listing only peeks: the dead letters keep their order and
-no delivery count is spent.
+_CONFIGURATION = "README.md, Configuration: every variable, its default and what it means"
+_BROKER_SETTINGS = (
+    "WORKER_BROKER and its own WORKER_RABBITMQ_*, WORKER_KAFKA_* or WORKER_SERVICEBUS_* "
+    "(docs/rabbitmq.md, docs/kafka.md, docs/servicebus.md)"
+)
+# command -> (what it does, at length; the settings it reads)
+_ABOUT: dict[str, tuple[str, str]] = {
+    "run": (
+        "Consume from WORKER_BROKER with the handlers of WORKER_HANDLERS: each delivery in one\n"
+        "transaction with its inbox marker, acked after the commit. Refuses to start on a\n"
+        "schema behind the code (run `worker migrate` first). Alive and not ready while the\n"
+        "database or the broker is not there yet (WORKER_START_TIMEOUT); SIGTERM or SIGINT\n"
+        "stops it gracefully within WORKER_GRACE_PERIOD.",
+        "WORKER_DATABASE_URL, WORKER_HANDLERS, WORKER_CONCURRENCY, WORKER_MAX_DELIVERIES, "
+        f"WORKER_BATCH_SIZE, WORKER_OPS_PORT, the retention and purge variables, and "
+        f"{_BROKER_SETTINGS}",
+    ),
+    "migrate": (
+        "Upgrade WORKER_DATABASE_URL: the worker's history, then the history found beside\n"
+        "each module of WORKER_HANDLERS (README, Your own handlers). --check and --wait only\n"
+        "read: they compare each history's revision and look for the models' tables (not\n"
+        "their columns: `worker revision --dry-run` compares your models with the database).\n"
+        "\nexamples:\n  worker migrate\n  worker migrate --check\n"
+        "  worker migrate --wait --timeout 600",
+        "WORKER_DATABASE_URL, WORKER_HANDLERS, WORKER_INBOX_LAYOUT, WORKER_INBOX_PARTITION_PERIOD",
+    ),
+    "revision": (
+        "Write the next revision of your application's history, beside its handlers.\n"
+        "--autogenerate fills it from your models against WORKER_DATABASE_URL (migrated to\n"
+        "head first); --dry-run prints what that would write, and writes nothing.\n"
+        '\nexamples:\n  worker revision -m "orders" --autogenerate\n  worker revision --dry-run',
+        "WORKER_HANDLERS, WORKER_DATABASE_URL (--autogenerate, --dry-run)",
+    ),
+    "demo": (
+        "The race and its cure: one stream of credit messages (duplicates, both replicas at\n"
+        "once, lost acks) through a naive check-then-insert handler and through the worker,\n"
+        "then an event per applied credit three ways. SQLite files in a temporary folder and\n"
+        "the in-memory broker; about 10-20 seconds.",
+        "none (it makes its own databases)",
+    ),
+    "publish": (
+        'Send JSON lines {"id": ..., "type": ..., "body": {...}, "headers": {...}} to the\n'
+        "work queue. The whole input is checked first; a line without an id is refused\n"
+        "unless --allow-missing-ids.\n"
+        "\nexamples:\n  worker publish messages.jsonl\n"
+        '  echo \'{"id": "c-1", "type": "CreditRequested", "body": {}}\' | worker publish',
+        _BROKER_SETTINGS,
+    ),
+    "dlq": (
+        "List the dead letters with their reasons: a table on a terminal, JSON lines when\n"
+        "piped (or with --json). Listing only peeks: the dead letters keep their order and\n"
+        "no delivery count is spent.\n"
+        "\n"
+        "The filters (--type, --reason, --since, --id) select the same dead letters for a\n"
+        "listing, for --group-by and for --resubmit; try a --resubmit with --dry-run first.\n"
+        "At most --scan dead letters are looked at, oldest first.\n"
+        "\n"
+        "examples:\n"
+        "  worker dlq --group-by reason\n"
+        '  worker dlq --type CreditRequested --reason "invalid body" --since 2h\n'
+        '  worker dlq --reason "account service" --resubmit --dry-run',
+        _BROKER_SETTINGS,
+    ),
+    "sweep": (
+        "List the side-effect claims left past their lease (a replica died between its claim\n"
+        "and its call), as JSON lines; --redrive finishes them from the stored body.",
+        "WORKER_DATABASE_URL, WORKER_HANDLERS, WORKER_CLAIM_LEASE, WORKER_CLAIM_CALL_TIMEOUT",
+    ),
+    "purge-inbox": (
+        "Delete finished inbox markers older than the retention, in bounded batches, one\n"
+        "replica at a time (a partitioned inbox: make partitions ahead, drop whole ones).\n"
+        "`worker run` does the same every WORKER_PURGE_INTERVAL seconds.",
+        "WORKER_DATABASE_URL, WORKER_INBOX_RETENTION (and the redelivery window's "
+        "WORKER_BROKER_LOCK_TIMEOUT, WORKER_MAX_DELIVERIES, WORKER_MESSAGE_TTL, "
+        "WORKER_DEAD_LETTER_MARGIN), WORKER_PURGE_BATCH, WORKER_PURGE_MAX_BATCHES",
+    ),
+    "relay": (
+        "Send the committed outbox rows to WORKER_BROKER on their own (a dedicated\n"
+        "deployment; `worker run` relays them too unless WORKER_OUTBOX_RELAY=false).",
+        f"WORKER_DATABASE_URL, WORKER_OUTBOX_*, {_BROKER_SETTINGS}",
+    ),
+    "outbox": (
+        "List the pending and parked outbox rows; --retry queues the parked ones again.",
+        "WORKER_DATABASE_URL, WORKER_OUTBOX_*",
+    ),
+    "check": (
+        "Run your handlers' sample messages through the races this worker exists for\n"
+        "(twice, twins, a crash at every statement, a concurrent writer, a lost ack) on\n"
+        "databases of its own, and report the first that changes the outcome\n"
+        "(docs/testing.md). Exit 0 idempotent, 1 not, 2 for a bad samples file.\n"
+        "\nexamples:\n  worker check samples.jsonl\n"
+        "  worker check samples.jsonl --database postgresql+asyncpg://postgres@localhost/",
+        "WORKER_HANDLERS",
+    ),
+}
 
-The filters (--type, --reason, --since, --id) select the same dead letters for a
-listing, for --group-by and for --resubmit; try a --resubmit with --dry-run first.
-At most --scan dead letters are looked at, oldest first.
 
-examples:
-  worker dlq --group-by reason
-  worker dlq --type CreditRequested --reason "invalid body" --since 2h
-  worker dlq --reason "account service" --resubmit --dry-run
-"""
+def _command(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], name: str, summary: str
+) -> argparse.ArgumentParser:
+    about, settings = _ABOUT[name]
+    return commands.add_parser(
+        name,
+        help=summary,
+        description=about,
+        epilog=f"settings: {settings}.\n{_CONFIGURATION}.",
+        formatter_class=_Paragraphs,
+    )
+
+
+class _Paragraphs(argparse.RawDescriptionHelpFormatter):
+    """The description as written (its lines and examples); the epilog wrapped."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("settings: "):
+            import textwrap
+
+            return "\n".join(
+                textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent)
+                for line in text.splitlines()
+            )
+        return super()._fill_text(text, width, indent)
 
 
 class _OneLinePerCommand(argparse.HelpFormatter):
@@ -401,6 +609,9 @@ class _OneLinePerCommand(argparse.HelpFormatter):
             names = [len(choice) for choice in action.choices]
             longest = max(names, default=0) + self._current_indent + 2 * self._indent_increment
             self._action_max_length = max(self._action_max_length, longest)
+
+
+# -- worker dlq ------------------------------------------------------------------
 
 
 def _dlq_arguments(dlq: argparse.ArgumentParser) -> None:
@@ -661,7 +872,8 @@ async def sweep_command(
 
     ``abandoned``: print the abandoned claims instead (and re-drive nothing).
     """
-    from worker.db import create_engine, session_factory
+    from worker.context import session_factory
+    from worker.db import create_engine
     from worker.registry import import_handlers, registry
     from worker.sweeper import abandoned_claims, redrive, stale_claims
 
@@ -692,15 +904,26 @@ _DATABASE_COMMANDS = frozenset(
 _ASYNCPG_PREFIX = re.compile(r"^<class '[\w.]+'>: ")
 
 
-def database_failure(exc: BaseException, command: str) -> str | None:
+@dataclass(frozen=True)
+class Failure:
+    """What a command prints for a database that cannot serve it, and its exit code."""
+
+    line: str
+    code: int
+
+
+def database_failure(exc: BaseException, command: str) -> Failure | None:
     """One line for a database that cannot serve the command, or None for any other error.
 
-    Names the (redacted) database and what went wrong: not reachable, login
-    refused, no such database, or no schema (``worker migrate`` never ran).
+    Names the (redacted) database and what went wrong: not reachable or no schema
+    (``worker migrate`` never ran): exit 1, as a broker that cannot be reached; a refused
+    login or no such database: exit 2, configuration no retry fixes, as a broker's refused
+    login or unknown virtual host.
     """
     from sqlalchemy.exc import DBAPIError
 
-    from worker.db import Failure, classify, redact, sqlstate
+    from worker.db import Failure as Meaning
+    from worker.db import classify, sqlstate
 
     code: str | None
     if isinstance(exc, DBAPIError):
@@ -712,16 +935,27 @@ def database_failure(exc: BaseException, command: str) -> str | None:
     else:
         return None
     text = logs.scrub(_ASYNCPG_PREFIX.sub("", (text.strip().splitlines() or ["?"])[0]))
-    where = redact(os.environ.get("WORKER_DATABASE_URL") or _default_database_url())
+    where = _database_named()
     if code == "42P01" or "no such table" in text:
-        return f"worker: database not migrated: {where}: {text} (run: worker migrate)"
+        return Failure(f"worker: database not migrated: {where}: {text} (run: worker migrate)", 1)
     if code is not None and code.startswith("28"):
-        return f"worker: database refused the login: {where}: {text}"
+        return Failure(_configuration(f"WORKER_DATABASE_URL={where}: login refused ({text})"), 2)
     if code == "3D000":
-        return f"worker: database does not exist: {where}: {text}"
-    if classify(exc) is Failure.CONNECTION or code is None:
-        return f"worker: database unavailable: {where}: {text}"
-    return f"worker: database error: {where}: {text}"
+        return Failure(_configuration(f"WORKER_DATABASE_URL={where}: no such database ({text})"), 2)
+    if classify(exc) is Meaning.CONNECTION or code is None:
+        return Failure(f"worker: database unavailable: {where}: {text}", 1)
+    return Failure(f"worker: database error: {where}: {text}", 1)
+
+
+def _configuration(problem: str) -> str:
+    return f"worker: configuration error: {problem}"
+
+
+def _database_named() -> str:
+    """WORKER_DATABASE_URL as a line may show it (its password masked)."""
+    from worker.db import redact
+
+    return redact(os.environ.get("WORKER_DATABASE_URL") or _default_database_url())
 
 
 def _default_database_url() -> str:
@@ -857,16 +1091,76 @@ def assemble(settings: Settings, broker: Broker, engine: AsyncEngine, handlers: 
     return pump
 
 
+class SchemaBehind(Exception):
+    """The database's schema is behind this code (:meth:`Status.behind` says where)."""
+
+    def __init__(self, status: Status) -> None:
+        super().__init__(status.behind())
+        self.status = status
+
+    @property
+    def remedy(self) -> str:
+        """The command that brings the database up to this code."""
+        from worker.migrate import State
+
+        found = self.status
+        if (
+            found.missing
+            and not found.layout
+            and all(s.state is not State.BEHIND for s in found.standings)
+        ):
+            return (
+                "no revision creates them: worker revision -m '...' --autogenerate, then "
+                "worker migrate (or your own Alembic's upgrade)"
+            )
+        return "run: worker migrate"
+
+
+async def refuse_schema_behind(settings: Settings, engine: AsyncEngine) -> None:
+    """Refuse to start on a schema behind this code, as ``worker migrate --check`` would.
+
+    Started anyway, the pump took every delivery and gave it back as schema-behind, and
+    the outbox relay logged its failing SQL once a second, while nothing said to run
+    ``worker migrate``. Refused rather than waited for: in a deployment the migration gate
+    (``worker migrate --wait`` in the init container) is what waits, so a ``worker run``
+    that meets a schema behind has no gate before it, and only a person can fix that.
+    """
+    from worker.histories import application_histories, model_tables
+    from worker.migrate import schema_status
+
+    found = await schema_status(
+        engine,
+        application_histories(settings.handler_modules),
+        tables=sorted(model_tables()),
+        inbox_layout=settings.inbox_layout,
+    )
+    if not found.usable:
+        raise SchemaBehind(found)
+
+
 async def _run(settings: Settings, signals: _Signals | None = None) -> int:
     from worker import retention
     from worker.brokers import open_broker
-    from worker.db import create_engine, ping, redact, session_factory
+    from worker.context import session_factory
+    from worker.db import create_engine, ping, redact
     from worker.ops import start_ops
     from worker.outbox import relay as outbox_relay
     from worker.registry import import_handlers, registry
     from worker.startup import database_refuses, until_up
 
     import_handlers(settings.handler_modules)
+    from sqlalchemy.engine import make_url
+
+    from worker.concurrency import prepare_models
+
+    # the code's own faults first, before anything connects: an unusable version token...
+    prepare_models(make_url(settings.database_url).get_backend_name())
+    if not any(True for _ in registry):  # ...and nothing that could ever be consumed
+        named = f"={settings.handlers!r}" if settings.handlers.strip() else " is empty"
+        raise ConfigurationError(
+            f"WORKER_HANDLERS{named}: no handler is registered, so nothing could be consumed "
+            "(name the modules that register yours: README, Your own handlers)"
+        )
     shutdown_tracing = None
     if settings.tracing:  # OpenTelemetry is imported only when tracing is on
         from worker.tracing import configure as configure_tracing
@@ -890,9 +1184,7 @@ async def _run(settings: Settings, signals: _Signals | None = None) -> int:
                 log=log.bind(database=redact(settings.database_url)),
                 fatal=database_refuses,
             )
-            from worker.concurrency import prepare_models
-
-            prepare_models(engine.dialect.name)  # an unusable version token stops us first
+            await refuse_schema_behind(settings, engine)
             relay = outbox_relay.start(settings, engine, broker)  # beside the pump
             chores = retention.start(engine, session_factory(engine), registry, settings, log)
             try:

@@ -1,12 +1,12 @@
-"""Engines, the pump's session class, and what a database error means for the pump."""
+"""Engines, and what a database error means for the pump."""
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import sqlite3
 import traceback
-from contextvars import ContextVar
-from typing import Any, NoReturn
+from typing import Any
 
 from sqlalchemy import MetaData, event, text
 from sqlalchemy.dialects import postgresql, sqlite
@@ -16,13 +16,13 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
-    async_sessionmaker,
     create_async_engine,
 )
-from sqlalchemy.orm import DeclarativeBase, Session
+from sqlalchemy.orm import DeclarativeBase
 from sqlalchemy.orm.exc import StaleDataError
 
-from worker.errors import StatementSwallowed, TransactionOwnedByPump
+from worker.errors import DatabaseUnreachable
+from worker.logs import scrub
 
 INBOX_CONSTRAINT = "uq_inbox_message_consumer"
 """The one unique constraint whose violation means "already processed"."""
@@ -37,7 +37,11 @@ _UNAVAILABLE_SQLSTATE_CLASSES = ("08", "28")
 _UNAVAILABLE_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "3D000", "53300"})
 _READ_ONLY = "25006"  # read_only_sql_transaction: a standby after a failover, maintenance
 _PRIVILEGE = "42501"  # insufficient_privilege: a GRANT a migration forgot
+# ... but not a row-level-security policy refusing this row: the statement's own
+_ROW_POLICY = "row-level security"
 _RESOURCES = "53"  # insufficient resources: disk full (53100), out of memory (53200), ...
+# ... but 53400 (configuration_limit_exceeded: temp_file_limit) is one statement's own
+_STATEMENT_LIMIT = "53400"
 _QUERY_CANCELED = "57014"  # statement_timeout; contention when it tripped in a lock wait
 # 42P01 undefined table, 42703 undefined column, 42883 undefined function: the schema is
 # older than the code (a rollout ahead of its migration). Not the message's fault.
@@ -62,118 +66,6 @@ class Base(DeclarativeBase):
     )
 
 
-class HandlerRun:
-    """One handler call inside the pump's transaction, and the statements that failed in it.
-
-    On PostgreSQL a failed statement aborts the whole transaction, and the pump's
-    COMMIT then quietly becomes a ROLLBACK (asyncpg reports no error): a handler that
-    caught the error and carried on would be acked with nothing committed. The pump
-    therefore refuses to commit while :attr:`failures` is not empty. A failure inside
-    a savepoint that was rolled back (``session.begin_nested()``) is forgiven.
-    """
-
-    __slots__ = ("_marks", "failures")
-
-    def __init__(self) -> None:
-        self.failures: list[BaseException] = []
-        self._marks: list[int] = []
-
-    def refuse_swallowed(self) -> None:
-        """Raise :class:`StatementSwallowed` if a statement failed and the handler carried on."""
-        if self.failures:
-            raise StatementSwallowed(
-                "a statement failed inside the handler and the handler carried on; "
-                "the transaction is aborted: catch database errors inside "
-                "`async with ctx.session.begin_nested():` instead"
-            ) from self.failures[0]
-
-
-HANDLER_RUNNING: ContextVar[bool | HandlerRun] = ContextVar("worker_handler_running", default=False)
-"""Set by the pump while a handler runs: any commit in that time is refused."""
-
-
-def _note_statement_failure(context: Any) -> None:
-    run = HANDLER_RUNNING.get()
-    if isinstance(run, HandlerRun):
-        run.failures.append(context.original_exception)
-
-
-def _savepoint(_connection: Any, _name: str) -> None:
-    run = HANDLER_RUNNING.get()
-    if isinstance(run, HandlerRun):
-        run._marks.append(len(run.failures))
-
-
-def _rollback_savepoint(_connection: Any, _name: str, _context: Any) -> None:
-    run = HANDLER_RUNNING.get()
-    if isinstance(run, HandlerRun) and run._marks:
-        del run.failures[run._marks.pop() :]  # the savepoint undid what failed inside it
-
-
-def _release_savepoint(_connection: Any, _name: str, _context: Any) -> None:
-    run = HANDLER_RUNNING.get()
-    if isinstance(run, HandlerRun) and run._marks:
-        run._marks.pop()
-
-
-def _refuse_while_handler_runs(what: str) -> None:
-    if HANDLER_RUNNING.get():
-        raise TransactionOwnedByPump(
-            f"handlers must not {what}: the pump commits once, with the inbox marker"
-        )
-
-
-class _GuardedSession(Session):
-    """The synchronous half of :class:`PumpSession`, guarded the same way.
-
-    Closes the side doors ``session.sync_session.commit()`` and
-    ``session.run_sync(lambda s: s.commit())``.
-    """
-
-    def commit(self) -> None:
-        _refuse_while_handler_runs("commit")
-        super().commit()
-
-    def rollback(self) -> None:
-        _refuse_while_handler_runs("roll back")
-        super().rollback()
-
-
-def _refuse_connection_commit(connection: Any) -> None:
-    """``(await session.connection()).commit()`` ends the same transaction: refuse it too.
-
-    Raising here alone would leave the DBAPI connection inside its transaction while
-    SQLAlchemy believes it ended; invalidating first discards the connection, and the
-    database rolls the transaction back.
-    """
-    if HANDLER_RUNNING.get():
-        connection.invalidate()
-        _refuse_while_handler_runs("commit")
-
-
-class PumpSession(AsyncSession):
-    """The session a handler gets: the pump owns its transaction.
-
-    A handler that commits would make its writes permanent even when the inbox
-    marker is then rejected as a duplicate, so commit, rollback and close fail
-    loudly here; the pump calls the :class:`AsyncSession` methods directly, and
-    only after the handler returned (:data:`HANDLER_RUNNING`).
-    """
-
-    sync_session_class = _GuardedSession
-
-    async def commit(self) -> NoReturn:
-        raise TransactionOwnedByPump(
-            "handlers must not commit: the pump commits once, with the inbox marker"
-        )
-
-    async def rollback(self) -> NoReturn:
-        raise TransactionOwnedByPump("handlers must not roll back: raise an exception instead")
-
-    async def close(self) -> NoReturn:
-        raise TransactionOwnedByPump("handlers must not close the pump's session")
-
-
 POOLER = "pooler"
 """``?pooler=transaction`` on a PostgreSQL URL: a transaction-pooling proxy (PgBouncer's
 ``pool_mode = transaction``, pgcat, RDS Proxy) stands between the worker and the server."""
@@ -195,6 +87,16 @@ def create_engine(url: str, *, pool_size: int = 5, max_overflow: int | None = No
     prepared statements would meet connections that never saw them ("does not exist")
     or saw another client's of the same name ("already exists"). Statements are then
     unnamed and uncached: parsed again for each execution, never left on a server.
+
+    PostgreSQL: every transaction says its isolation, ``BEGIN ISOLATION LEVEL READ
+    COMMITTED``, instead of taking the session's default. A database or role whose
+    ``default_transaction_isolation`` is stricter, or a handler's ``SET SESSION
+    CHARACTERISTICS`` left on its pooled connection (or, behind a transaction pooler, on
+    a server connection another client shares), would otherwise give the next attempt a
+    snapshot the partitioned inbox's lookup cannot use (worker/partitions.py). A
+    connection asked for another level (``execution_options(isolation_level=...)``) is
+    set back when it returns to the pool. Autocommitted statements have no BEGIN: each
+    runs alone in the session's default, which a single statement does not mind.
     """
     if url.startswith("sqlite"):
         engine = create_async_engine(url, pool_size=pool_size, connect_args={"timeout": 30})
@@ -217,14 +119,9 @@ def create_engine(url: str, *, pool_size: int = 5, max_overflow: int | None = No
             pool_size=pool_size,
             max_overflow=overflow,
             pool_pre_ping=False,
+            isolation_level="READ COMMITTED",
             **options,
         )
-    sync_engine = engine.sync_engine
-    event.listen(sync_engine, "commit", _refuse_connection_commit)
-    event.listen(sync_engine, "handle_error", _note_statement_failure)
-    event.listen(sync_engine, "savepoint", _savepoint)
-    event.listen(sync_engine, "rollback_savepoint", _rollback_savepoint)
-    event.listen(sync_engine, "release_savepoint", _release_savepoint)
     return engine
 
 
@@ -235,10 +132,6 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
-def session_factory(engine: AsyncEngine) -> async_sessionmaker[PumpSession]:
-    return async_sessionmaker(engine, class_=PumpSession, expire_on_commit=False)
-
-
 def insert_ignoring_conflicts(session: AsyncSession, model: Any) -> Any:
     """``INSERT ... ON CONFLICT DO NOTHING`` in the session's dialect (SQLite, PostgreSQL)."""
     if session.get_bind().dialect.name == "postgresql":
@@ -247,11 +140,19 @@ def insert_ignoring_conflicts(session: AsyncSession, model: Any) -> Any:
 
 
 def redact(url: str) -> str:
-    """The URL with its password masked: the only form a URL may take in a log."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # an unparsable URL still must not leak
-        return "<unparsable database url>"
+    """The URL with its password masked: the only form a URL may take in a log.
+
+    Split by hand, not by a URL parser: a raw ``@`` (or ``/``, ``#``) inside a password
+    makes a parser split at the first one and take the password's tail for the host.
+    Everything before the last ``@`` is the user information, and all of it after its
+    first ``:`` is masked; secrets in the query (``?password=``) as in any log line.
+    """
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, place = rest.rpartition("@")
+    if sep and at:
+        user, colon, _password = userinfo.partition(":")
+        url = f"{scheme}://{user}{':***' if colon else ''}@{place}"
+    return scrub(url)
 
 
 async def ping(engine: AsyncEngine) -> None:
@@ -284,6 +185,8 @@ _ENVIRONMENT = frozenset({Failure.READ_ONLY, Failure.PRIVILEGE, Failure.RESOURCE
 
 
 def classify(exc: BaseException) -> Failure:
+    if isinstance(exc, DatabaseUnreachable):
+        return Failure.CONNECTION
     if isinstance(exc, IntegrityError):
         return Failure.DUPLICATE if is_inbox_violation(exc) else Failure.ERROR
     if isinstance(exc, StaleDataError):
@@ -291,16 +194,7 @@ def classify(exc: BaseException) -> Failure:
     if isinstance(exc, PoolTimeout):  # every pooled connection busy: contention, not the message
         return Failure.TRANSIENT
     if isinstance(exc, DBAPIError):
-        if exc.connection_invalidated:
-            return Failure.CONNECTION
-        code = sqlstate(exc)
-        if code is not None:
-            return _classify_sqlstate(code, exc)
-        if _is_os_error(exc.orig):
-            return Failure.CONNECTION
-        if isinstance(exc.orig, sqlite3.OperationalError):
-            return _classify_sqlite(exc.orig)
-        return Failure.ERROR
+        return _classify_driver(exc)
     if not from_database(exc):
         return Failure.ERROR
     if isinstance(exc, OSError):  # asyncpg raises refusals and resets unwrapped
@@ -310,6 +204,19 @@ def classify(exc: BaseException) -> Failure:
     code = getattr(exc, "sqlstate", None)  # asyncpg's own errors, raised while connecting
     if isinstance(code, str) and _unavailable(code):
         return Failure.CONNECTION
+    return Failure.ERROR
+
+
+def _classify_driver(exc: DBAPIError) -> Failure:
+    if exc.connection_invalidated:
+        return Failure.CONNECTION
+    code = sqlstate(exc)
+    if code is not None:
+        return _classify_sqlstate(code, exc)
+    if _is_os_error(exc.orig):
+        return Failure.CONNECTION
+    if isinstance(exc.orig, sqlite3.OperationalError):
+        return _classify_sqlite(exc.orig)
     return Failure.ERROR
 
 
@@ -329,8 +236,8 @@ def _classify_sqlstate(code: str, exc: DBAPIError) -> Failure:
     if code == _READ_ONLY:
         return Failure.READ_ONLY
     if code == _PRIVILEGE:
-        return Failure.PRIVILEGE
-    if code.startswith(_RESOURCES):
+        return Failure.ERROR if _ROW_POLICY in str(exc.orig) else Failure.PRIVILEGE
+    if code.startswith(_RESOURCES) and code != _STATEMENT_LIMIT:
         return Failure.RESOURCES
     return Failure.ERROR
 
@@ -396,9 +303,14 @@ def _classify_sqlite(orig: sqlite3.OperationalError) -> Failure:
     return Failure.ERROR
 
 
+_DISCARD_TIMEOUT = 5.0
+
+
 async def discard(session: AsyncSession) -> None:
-    """Close a session (rolling back what did not commit), whatever state it is in."""
+    """Close a session (rolling back what did not commit), whatever state it is in; a
+    connection that does not answer its rollback in 5 s (a black hole) is dropped."""
     try:
-        await AsyncSession.close(session)
+        async with asyncio.timeout(_DISCARD_TIMEOUT):
+            await AsyncSession.close(session)
     except Exception:  # a broken connection can fail its own rollback; the pool drops it
         await AsyncSession.invalidate(session)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from worker.errors import AlreadySettled, SettlementLost
+from worker.errors import AcksFailed, AlreadySettled, SettlementLost
 from worker.logs import scrub
 
 if TYPE_CHECKING:
@@ -16,8 +16,17 @@ class Settler(Protocol):
     """How one broker settles a delivery; ``handle`` is the adapter's own object.
 
     Only :mod:`worker.settle` calls the four verbs. ``keep_alive`` and ``in_commit``
-    are the unit of work telling the adapter what it is doing with its deliveries.
+    are the unit of work telling the adapter what it is doing with its deliveries; they
+    do nothing by default, which an adapter gets by subclassing this Protocol
+    explicitly (RabbitMQ, memory: nothing expires while a delivery is held, nothing of
+    theirs commits with the handler's transaction). ``watches`` and ``writes_in_commit``
+    say whether they do anything, so a delivery's path calls neither where they don't.
     """
+
+    watches: bool = False
+    """Whether ``keep_alive`` does anything (a watchdog to feed, a lock to renew)."""
+    writes_in_commit: bool = False
+    """Whether ``in_commit`` writes anything (Kafka: offsets kept in the database)."""
 
     async def ack(self, handle: Any) -> None: ...
 
@@ -37,13 +46,13 @@ class Settler(Protocol):
     def keep_alive(self, handle: Any, seconds: float) -> None:
         """The delivery's work starts a phase that may take ``seconds`` from now (an
         attempt, a retry, a batch's fallback): a watchdog or a lock must allow that long."""
-        ...
+        return None
 
     async def in_commit(self, session: AsyncSession, handles: Sequence[Any]) -> None:
         """Awaited with the session just before the worker commits the work of these
         deliveries (all of them this settler's): the adapter's own writes that must
         commit with it (Kafka: the offsets, with ``WORKER_KAFKA_OFFSETS=database``)."""
-        ...
+        return None
 
 
 H = TypeVar("H")
@@ -51,13 +60,19 @@ H = TypeVar("H")
 
 async def ack_each(ack: Callable[[H], Awaitable[None]], handles: Sequence[H]) -> list[H]:
     """``ack_many`` for a broker that settles one delivery per call: each acked on its own;
-    returns the handles whose settlement was lost."""
+    returns the handles whose settlement was lost. The others' errors (a bug in the
+    adapter, a handle settled twice) are raised together once the rest are acked."""
     lost = []
+    failed: list[tuple[Any, Exception]] = []
     for handle in handles:
         try:
             await ack(handle)
         except SettlementLost:
             lost.append(handle)
+        except Exception as exc:
+            failed.append((handle, exc))
+    if failed:
+        raise AcksFailed(failed)
     return lost
 
 
@@ -169,14 +184,42 @@ def _by_settler(deliveries: Sequence[Delivery]) -> dict[int, tuple[Settler, list
 
 
 async def ack_many(deliveries: Sequence[Delivery]) -> list[Delivery]:
-    """Ack deliveries together, one call per settler; returns the ones whose ack was lost."""
+    """Ack deliveries together, one call per settler; returns the ones whose ack was lost.
+
+    :class:`~worker.errors.AcksFailed` names the deliveries whose ack failed (left
+    unsettled: not taken for acked), the others having gone out. Any other error means a
+    settler sent nothing of its own: its deliveries, and those of the settlers after it,
+    are left unsettled when it propagates.
+    """
+    failed: list[tuple[Any, Exception]] = []
+    claimed: list[Delivery] = []
     for delivery in deliveries:
-        delivery._claim("acked")
+        try:
+            delivery._claim("acked")
+        except AlreadySettled as exc:  # a bug: reported, and the others still go out
+            failed.append((delivery, exc))
+        else:
+            claimed.append(delivery)
+    groups = list(_by_settler(claimed).values())
     lost: list[Delivery] = []
-    for settler, members in _by_settler(deliveries).values():
+    for index, (settler, members) in enumerate(groups):
         by_handle = {id(d._handle): d for d in members}
-        lost_handles = await settler.ack_many([d._handle for d in members])
+        try:
+            lost_handles = await settler.ack_many([d._handle for d in members])
+        except AcksFailed as exc:
+            lost_handles = []
+            for handle, error in exc.failures:
+                delivery = by_handle[id(handle)]
+                delivery.settled = None
+                failed.append((delivery, error))
+        except BaseException:
+            for _, unsent in groups[index:]:
+                for delivery in unsent:
+                    delivery.settled = None
+            raise
         lost.extend(by_handle[id(h)] for h in lost_handles)
+    if failed:
+        raise AcksFailed(failed)
     return lost
 
 

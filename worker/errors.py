@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from worker.verdict import Outcome
 
 
@@ -21,6 +23,15 @@ class MigrationFailed(WorkerError):
 
 class AlreadySettled(WorkerError):
     """A delivery was acked, nacked or dead-lettered twice."""
+
+
+class AcksFailed(WorkerError):
+    """Some acks of a group failed (the others went out): ``failures`` pairs each failed
+    handle (or delivery) with its error."""
+
+    def __init__(self, failures: list[tuple[Any, Exception]]) -> None:
+        super().__init__(f"{len(failures)} acks failed: {failures[0][1]!r}")
+        self.failures = failures
 
 
 class SettlementLost(WorkerError):
@@ -57,8 +68,25 @@ class StatementSwallowed(WorkerError):
     """
 
 
+class DatabaseUnreachable(WorkerError):
+    """An attempt cut because the database stopped answering (a black hole): the
+    environment's fault, like a lost connection."""
+
+
+class HandlerFailed(WorkerError):
+    """A handler raised a ``BaseException`` that is not an ``Exception`` (a
+    ``CancelledError`` of its own, not the worker's cancellation): its failure like any
+    other, so the task that ran it survives, settles it and frees its lanes."""
+
+
 class HandlerTimeout(WorkerError):
-    """The handler ran longer than ``WORKER_HANDLER_TIMEOUT`` and was cancelled."""
+    """The handler ran longer than ``WORKER_HANDLER_TIMEOUT`` and was cancelled;
+    ``late``: seconds its cancellation took to come back (a statement cancelled on a
+    database that does not answer hangs as long as the database does)."""
+
+    def __init__(self, reason: str, *, late: float = 0.0) -> None:
+        super().__init__(reason)
+        self.late = late
 
 
 class Poison(WorkerError):

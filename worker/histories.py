@@ -29,6 +29,7 @@ from pathlib import Path
 from worker.db import Base
 from worker.errors import ConfigurationError
 from worker.partitions import is_inbox_partition
+from worker.registry import cannot_import
 
 WORKER_TABLES = frozenset({"inbox", "rejections", "outbox", "consumer_offsets", "delivery_counts"})
 """The tables the worker's history creates: never an application's. A worker revision that
@@ -114,10 +115,10 @@ def _candidates(module: str) -> list[tuple[Path, str]]:
     Found without importing the module itself (its parent packages are imported), so the
     test fixtures can migrate an application without registering its handlers.
     """
-    try:
+    try:  # imports the parent packages, whose __init__ may fail as any module may
         spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError) as exc:
-        raise ConfigurationError(f"WORKER_HANDLERS: cannot import {module!r}: {exc}") from None
+    except Exception as exc:
+        raise cannot_import(module, exc) from None
     if spec is None:
         raise ConfigurationError(f"WORKER_HANDLERS: cannot import {module!r}: no such module")
     if spec.submodule_search_locations:  # a package: its own folder first

@@ -86,7 +86,7 @@ TABLE = cast(Table, InboxMarker.__table__)
 _table = TABLE
 
 
-class _Statement:
+class Statement:
     """A statement the pump runs on every delivery, compiled once per dialect.
 
     It runs as the driver's own SQL (``Connection.exec_driver_sql``) inside the
@@ -112,10 +112,11 @@ class _Statement:
             names = tuple(done.positiontup or ()) if done.positional else None
             compiled = self._by_dialect[dialect.name] = (done.string, names, dict(done.params))
         sql, names, defaults = compiled
+        if defaults:
+            params = {**defaults, **params}
         if names is None:  # a named paramstyle (neither asyncpg nor aiosqlite has one)
-            return connection.exec_driver_sql(sql, {**defaults, **params})
-        values = tuple(params[n] if n in params else defaults[n] for n in names)
-        return connection.exec_driver_sql(sql, values)
+            return connection.exec_driver_sql(sql, params)
+        return connection.exec_driver_sql(sql, tuple(map(params.__getitem__, names)))
 
     def one(self, session: Session, params: dict[str, Any]) -> tuple[Any, ...]:
         return tuple(self.run(session, params).one())
@@ -125,8 +126,8 @@ class _Statement:
 
 
 # Plain SQL, not insert(): a Core insert compiles with RETURNING inbox.id on PostgreSQL.
-_MARK = _Statement(text("INSERT INTO inbox (message_id, consumer) VALUES (:m, :c)"))
-_EXISTS = _Statement(
+MARK = Statement(text("INSERT INTO inbox (message_id, consumer) VALUES (:m, :c)"))
+_EXISTS = Statement(
     select(literal(1))
     .where(_table.c.message_id == bindparam("m"), _table.c.consumer == bindparam("c"))
     .where(_table.c.state == "finished")  # a claimed or abandoned side effect is not done
@@ -139,14 +140,14 @@ _EXISTS = _Statement(
 # same message elsewhere), and the insert puts the previous lock_timeout back, so the
 # handler's own statements wait as long as they always did. Same round trips as the
 # plain fast path + marker; a first delivery never pays for any of it.
-_PROBE = _Statement(
+_PROBE = Statement(
     text(
         "WITH previous AS MATERIALIZED (SELECT current_setting('lock_timeout') AS value) "
         "SELECT previous.value, set_config('lock_timeout', :t, true), "
         "EXISTS (SELECT 1 FROM inbox WHERE message_id = :m AND consumer = :c) FROM previous"
     )
 )
-_MARK_THEN_RESTORE = _Statement(
+_MARK_THEN_RESTORE = Statement(
     text(
         "WITH marked AS (INSERT INTO inbox (message_id, consumer) VALUES (:m, :c) RETURNING 1) "
         "SELECT set_config('lock_timeout', :previous, true) FROM marked"
@@ -159,8 +160,8 @@ _MARK_THEN_RESTORE = _Statement(
 # feature) instead of letting them collide on a version token. The first delivery's lock
 # and marker share one round trip.
 _KEY_LOCK = "pg_advisory_xact_lock(hashtextextended('worker-key:' || :k, 0))"
-_LOCK_KEY = _Statement(text(f"SELECT {_KEY_LOCK}"))
-_LOCK_KEY_THEN_MARK = _Statement(
+_LOCK_KEY = Statement(text(f"SELECT {_KEY_LOCK}"))
+_LOCK_KEY_THEN_MARK = Statement(
     text(
         f"WITH locked AS MATERIALIZED (SELECT {_KEY_LOCK}) "
         "INSERT INTO inbox (message_id, consumer) SELECT :m, :c FROM locked"
@@ -211,7 +212,7 @@ async def mark(session: AsyncSession, message_id: str, consumer: str) -> None:
     replica inserting the same key then waits for this transaction, and gets
     the unique violation without running the handler at all.
     """
-    await session.run_sync(_MARK.run, {"m": message_id, "c": consumer})
+    await session.run_sync(MARK.run, {"m": message_id, "c": consumer})
 
 
 async def seen(session: AsyncSession, message_id: str, consumer: str) -> bool:
@@ -219,8 +220,8 @@ async def seen(session: AsyncSession, message_id: str, consumer: str) -> bool:
     return await session.run_sync(_EXISTS.exists, {"m": message_id, "c": consumer})
 
 
-# Batch mode (worker/batch.py): one statement marks many messages and reports which are
-# new. The ids arrive sorted, so two batches sharing ids take their keys in one order and
+# A group (worker.transaction): one statement marks many messages and reports which are
+# new. The ids arrive sorted, so two groups sharing ids take their keys in one order and
 # cannot deadlock on each other's markers. On the plain table the admission function is
 # `SELECT true` and ON CONFLICT DO NOTHING decides: it still waits for a concurrent
 # uncommitted insert of the same key (blocking is the feature), then reports it not new.
@@ -242,7 +243,7 @@ _UNMARK = text("DELETE FROM inbox WHERE message_id = :m AND consumer = :c")
 async def mark_many(session: AsyncSession, message_ids: list[str], consumer: str) -> set[str]:
     """Insert markers for distinct ``message_ids``; returns the ids that were new.
 
-    Sorted, so two batches sharing ids take their keys in one order and never deadlock.
+    Sorted, so two groups sharing ids take their keys in one order and never deadlock.
     """
     ordered = sorted(message_ids)
     if session.get_bind().dialect.name != "postgresql":
@@ -253,5 +254,5 @@ async def mark_many(session: AsyncSession, message_ids: list[str], consumer: str
 
 
 async def unmark(session: AsyncSession, message_id: str, consumer: str) -> None:
-    """Take back a marker this transaction inserted (a batch member whose handler failed)."""
+    """Take back a marker this transaction inserted (a group member whose handler failed)."""
     await session.execute(_UNMARK, {"m": message_id, "c": consumer})

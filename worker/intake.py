@@ -12,24 +12,27 @@ One reader task takes deliveries from the broker and, for each:
    that never settled it: any of them may be what killed that process. The reader
    waits until nothing else is in flight, hands it out, and takes nothing more until
    it is settled, so a further death charges only the message that caused it, and a
-   delivery that ran beside the killer spends one count, for that one death. Where
-   every start is recorded (batch mode, or ``WORKER_COUNT_FIRST_DELIVERIES``), a
-   suspect whose start the database never saw was only held, not running: it is no
-   suspect, and runs as any other delivery;
-3. in batch mode, puts a delivery that may share a transaction into its bucket
-   (one per message type and delivery group); a key belongs to one open bucket at a
-   time (a delivery whose key a running batch holds waits for it before it joins one,
-   unless it has a group: then it joins its group's bucket, which waits for the key),
-   and a group's open bucket is cut as soon as a delivery of another type, or one that
-   must run on its own, arrives in that group, so a partition's records still run in
-   offset order. A bucket is handed out full, or by a timer once its first delivery
-   has waited ``WORKER_BATCH_WAIT``;
-4. hands the unit of work out through its lanes: work holds its key and its delivery
-   group while it runs, and work that shares one waits behind it, in arrival order.
-   One key may park at most ``concurrency`` (batch mode: a batch) deliveries: the
-   excess goes back uncounted after a delay, so a hot key cannot fill the prefetch
-   and starve the others; a delivery that came back that way three times waits in
-   the lane regardless, so no delivery is turned away for ever.
+   delivery that ran beside the killer spends one count, for that one death. With
+   ``WORKER_COUNT_FIRST_DELIVERIES`` every start is recorded, and a suspect whose start
+   the database never saw was only held, not running: it is no suspect;
+3. puts it in its lanes. A delivery holds its key (``key=`` on a handler) and its
+   delivery group (Kafka: the partition) while it runs; deliveries that share a lane
+   run one after another in arrival order. One key's lane holds at most
+   ``max(concurrency, WORKER_BATCH_SIZE)`` deliveries: the excess goes back uncounted
+   after a delay, so a hot key cannot fill the prefetch and starve the others; one
+   that came back that way three times waits in the lane regardless.
+
+A worker that is free takes the next unit of work (:meth:`Intake.next`) the moment one
+is ready, never waiting for company: one delivery, or a group of deliveries of one
+type that are ready together, which share one transaction (group commit). A group
+takes, up to ``WORKER_BATCH_SIZE`` deliveries, what waits behind its first delivery in
+its lanes (a key's or a partition's next deliveries, which no other worker could run
+yet), and, when no other worker is free, whatever else of its type is ready: so a
+lightly loaded pump runs each delivery at once on its own, and a busy one runs the
+backlog in groups. A group never holds a delivery whose lane another unit of work
+holds. What must run on its own is never grouped: a redelivery
+(its start is counted on its own, and it may be a suspect), a side-effect claim, the
+same message id twice.
 
 Nothing that goes wrong with one delivery ends intake: an unexpected error is logged
 and the delivery settled as a bug (nacked, dead-lettered on its last allowed delivery).
@@ -41,14 +44,14 @@ import asyncio
 import contextlib
 import time
 from collections import Counter, deque
-from collections.abc import Hashable, Iterator
+from collections.abc import Awaitable, Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from worker import attempts, inbox
-from worker.verdict import GIVE_BACK_DELAY, Outcome, Verb, Verdict, poison, unexpected
-from worker.work import Item, Messages, Work
+from worker.registry import Runs
+from worker.verdict import GIVE_BACK_DELAY, HELD_BACK, Outcome, Verb, Verdict, poison, unexpected
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -58,10 +61,12 @@ if TYPE_CHECKING:
     from worker.health import DatabaseHealth
     from worker.registry import Handler, Registry
     from worker.settings import Settings
-    from worker.settle import Settlement
 
 Lane = tuple[str, Hashable]
-"""What a unit of work holds while it runs: ("key", its key) or ("group", its group)."""
+"""What a delivery holds while it runs: ("key", its key) or ("group", its group)."""
+
+Messages = dict[type[BaseModel], BaseModel]
+"""One delivery's body decoded once per model its handlers take."""
 
 _BOM = b"\xef\xbb\xbf"
 _PARKED_REGARDLESS = 3
@@ -69,31 +74,99 @@ _PARKED_REGARDLESS = 3
 _ALONE_WAIT = 30.0
 """Seconds a suspect waits for the work in flight to settle. Past it, it runs beside what
 is still there (hung work, which WORKER_HANDLER_TIMEOUT bounds) rather than halt intake."""
+_SCAN = 256
+"""Ready deliveries a worker looks through for company of its group's type."""
+_GROUP_TIME = 0.25
+"""Seconds a group should take at most, by what its type's deliveries have taken so far
+(wall time, so under load a little more than their own): a group is as slow as the sum
+of its members, and a slow handler's group would hold the others' acks, a key's or a
+partition's lane, and a shutdown's grace period behind it. Fast handlers (most: a few
+ms) fill groups to the cap; a type of 250 ms or more runs alone, and so does the first
+unit of a type, before anything says how long its deliveries take."""
 
 
-class _Bucket:
-    """Deliveries of one type and group filling one batch."""
+class Item:
+    """One delivery as intake took it: its decoded messages, its key and lanes, its place.
 
-    __slots__ = ("by_id", "group", "items", "lanes", "type")
+    ``redelivered``: the adapter's word when it was taken (``Delivery.redelivered``).
+    ``refused``: why no handler can run it (it has none), for a worker to settle.
+    ``single``: it must run on its own (a redelivery, whose start is counted on its own
+    and which may be a suspect; a type some handler of which cannot share a transaction,
+    a side-effect claim). Written once, here; the pump and the runners only read it.
+    """
 
-    def __init__(self, message_type: str, group: Hashable) -> None:
-        self.type = message_type
-        self.group = group
-        self.items: list[Item] = []
-        self.by_id: dict[str, Item] = {}
-        self.lanes: set[Lane] = set()
+    __slots__ = (
+        "arrival",
+        "delivery",
+        "handlers",
+        "key",
+        "lanes",
+        "message_id",
+        "messages",
+        "redelivered",
+        "refused",
+        "single",
+    )
+
+    def __init__(
+        self,
+        delivery: Delivery,
+        message_id: str,
+        handlers: tuple[Handler[Any], ...],
+        messages: Messages,
+        key: Hashable,
+        arrival: int,
+        redelivered: bool,
+        single: bool,
+        refused: Verdict | None = None,
+    ) -> None:
+        self.delivery = delivery
+        self.message_id = message_id
+        self.handlers = handlers
+        self.messages = messages
+        self.key = key
+        self.arrival = arrival
+        self.redelivered = redelivered
+        self.single = single
+        self.refused = refused
+        lanes: tuple[Lane, ...] = () if key is None else (("key", key),)
+        group = delivery.group
+        if group is not None:
+            lanes = (*lanes, ("group", group))
+        self.lanes = lanes
+
+    def message(self, handler: Handler[Any]) -> BaseModel:
+        return self.messages[handler.model]
+
+    def __repr__(self) -> str:
+        return f"<Item {self.delivery!r}>"
 
 
-def _lanes(item: Item) -> Iterator[Lane]:
-    if item.key is not None:
-        yield ("key", item.key)
-    group = item.delivery.group
-    if group is not None:
-        yield ("group", group)
+class Work:
+    """One unit of work: deliveries of one type that run together, and their handlers.
+
+    ``counted``: the consumer whose durable delivery count this work's start moved
+    (worker.attempts), so that an uncounted give-back takes it back; set by the pump.
+    """
+
+    __slots__ = ("counted", "handlers", "items", "taken")
+
+    def __init__(self, items: list[Item], handlers: tuple[Handler[Any], ...]) -> None:
+        self.items = items
+        self.handlers = handlers
+        self.counted: str | None = None
+        self.taken = 0.0  # time.monotonic() when a worker took it
+
+    @property
+    def deliveries(self) -> list[Delivery]:
+        return [item.delivery for item in self.items]
+
+    def __repr__(self) -> str:
+        return f"<Work {len(self.items)} x {self.items[0].delivery.type!r}>"
 
 
 class Intake:
-    """The pump's only broker reader, and the lanes and buckets between it and the workers."""
+    """The pump's only broker reader, and the lanes between it and the workers."""
 
     def __init__(
         self,
@@ -102,34 +175,38 @@ class Intake:
         registry: Registry,
         settings: Settings,
         health: DatabaseHealth,
-        settlement: Settlement,
+        settle: Callable[[Delivery, Verdict], Awaitable[None]],
         stats: Counter[str],
+        outcomes: Counter[tuple[str, str]],
         log: Any,
     ) -> None:
         self._broker = broker
         self._engine = engine
-        self._registry = registry
         self._settings = settings
         self._health = health
-        self._settlement = settlement
+        self._settle = settle  # worker.settle's, for what intake itself gives back
         self._stats = stats
+        self._outcomes = outcomes
         self._log = log
         self._size = settings.batch_size
-        self._wait = settings.batch_wait
-        self._park_limit = max(settings.concurrency, self._size)
-        self._batchable = {
-            message_type: all(h.batchable for h in registry.for_type(message_type))
-            for message_type in registry.message_types
+        # what one key's lane may hold, running or waiting: at most half the prefetch
+        # (pump.prefetch), so a hot key leaves room for every other key
+        self._lane_limit = max(settings.concurrency, self._size)
+        self._handlers = {t: registry.for_type(t) for t in registry.message_types}
+        self._shared = {  # types every handler of which may share a transaction
+            t: all(h.runs is Runs.TRANSACTION for h in handlers)
+            for t, handlers in self._handlers.items()
         }
-        self._ready: asyncio.Queue[Work] = asyncio.Queue()
-        self._lanes: dict[Lane, deque[Work]] = {}  # busy lane -> work waiting for it
-        self._buckets: dict[tuple[str, Hashable], _Bucket] = {}
-        self._open: dict[Lane, _Bucket] = {}  # lane -> the open bucket holding it
+        self._cost: dict[str, float] = {}  # seconds per delivery so far, by type (EWMA)
+        self._group: dict[str, int] = {}  # how many of a type a group may hold now
+        self._lanes: dict[Lane, deque[Item]] = {}  # every unsettled item of a lane, in order
+        self._ready: deque[Item] = deque()  # at the head of each of its lanes, not taken
+        self._waiters: deque[asyncio.Future[None]] = deque()  # free workers, first come
+        self._idle = 0  # free workers: waiting, or woken and not back yet
         self._running: set[Work] = set()
-        self._running_ids: Counter[str] = Counter()  # message ids in the running work
-        self._suspect: Work | None = None  # the suspect running alone
-        self._arrivals = 0  # deliveries taken so far: each item's place in arrival order
-        self._changed = asyncio.Event()
+        self._suspect: Item | None = None  # the suspect running alone
+        self._arrivals = 0
+        self._changed = asyncio.Event()  # something settled: what the reader may wait for
         self._turned_away: set[asyncio.Task[None]] = set()
         self._stopping = False
         self.in_flight = 0
@@ -138,80 +215,222 @@ class Intake:
     # -- the workers' side --------------------------------------------------------------
 
     async def next(self) -> Work:
-        """The next unit of work (cancel-safe: a cancelled wait takes nothing)."""
-        work = await self._ready.get()
-        self._running.add(work)
-        self._running_ids.update(item.delivery.message_id or "" for item in work.items)
-        self.in_flight += work.size
-        work.started = time.monotonic()
-        return work
+        """The next unit of work, as soon as one is ready (cancel-safe: a cancelled wait
+        takes nothing)."""
+        while not self._ready:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            self._idle += 1
+            try:
+                await waiter
+            except BaseException:
+                if waiter.done() and not waiter.cancelled() and self._ready:
+                    self._wake()  # it was this worker's turn: hand it on
+                waiter.cancel()
+                raise
+            finally:
+                self._idle -= 1
+        return self._take()
 
-    def done(self, work: Work) -> None:
-        """The work is settled: free its lanes, and run again what it left (deferred
-        members of a batch, twins of a member that did not commit), first in its lanes."""
+    def done(self, work: Work, verdicts: list[Verdict] | None = None) -> None:
+        """The work is settled: its lanes go to the deliveries waiting behind it. Behind
+        a delivery given back in a delivery group, the group's waiting deliveries are
+        given back too, unrun: the adapter rewinds the group to the earlier one (a Kafka
+        partition seeks back to it), and they must not apply before it."""
         if work not in self._running:
             return
-        if work is self._suspect:
-            self._suspect = None
         self._running.discard(work)
-        self._running_ids.subtract(item.delivery.message_id or "" for item in work.items)
-        self.in_flight -= work.size
-        again: list[Item] = []
-        for item in work.items:
-            if item.deferred:  # runs again on its own, its twins with it (settled with it)
-                item.deferred, item.verdict, item.consumer = False, None, None
-                again.append(item)
-                continue
-            if item.verdict is not None and item.verdict.verb is not Verb.ACK:
-                again.extend(item.twins)
-            item.twins = []
-        waiting: list[Work] = []
-        for lane in work.lanes:
-            waiting.extend(self._lanes.pop(lane, ()))
-        if work.items[0].delivery.group is not None:
-            # Work parks behind the first busy lane it needs: what waited in different
-            # lanes of this work goes again in the order it arrived, so a group's work
-            # keeps its order. (Without groups, each key's lane is in order already, and
-            # a key's seeds going on together fill batches with that key.)
-            waiting.sort(key=_arrival)
-        for item in again:
-            self._admit(self._single(item, work.handlers))
-        for parked in waiting:
-            self._admit(parked)
+        count = len(work.items)
+        self.in_flight -= count
+        if work.handlers:  # how long a delivery of its type takes: the size of its groups
+            message_type = work.items[0].delivery.type or ""
+            spent = (time.monotonic() - work.taken) / count
+            cost = self._cost.get(message_type)
+            cost = spent if cost is None else 0.8 * cost + 0.2 * spent
+            self._cost[message_type] = cost
+            self._group[message_type] = max(1, min(self._size, int(_GROUP_TIME / cost)))
+        if self._lanes:
+            self._free(work, verdicts or [])
+        if self._suspect is not None and self._suspect in work.items:
+            self._suspect = None
         self._changed.set()
+
+    def _free(self, work: Work, verdicts: list[Verdict]) -> None:
+        """The work's lanes, to the deliveries next in them (its items head their lanes,
+        in arrival order)."""
+        lanes = self._lanes
+        touched: list[Lane] = []
+        rewound: list[Lane] = []
+        for item, verdict in zip(work.items, verdicts, strict=False):
+            if verdict.verb is Verb.NACK and item.delivery.group is not None:
+                rewound.append(("group", item.delivery.group))
+        for item in work.items:
+            for lane in item.lanes:
+                queue = lanes[lane]
+                queue.popleft()
+                if queue:
+                    touched.append(lane)
+                else:
+                    del lanes[lane]
+        for lane in rewound:
+            for follower in lanes.pop(lane, ()):
+                self._hold_back(follower, lane, touched)
+        heads = {id(lanes[lane][0]): lanes[lane][0] for lane in touched if lane in lanes}
+        for head in sorted(heads.values(), key=_arrival):
+            if all(lanes[lane][0] is head for lane in head.lanes):
+                self._ready.append(head)
+                self._wake()
+
+    def _hold_back(self, item: Item, group: Lane, touched: list[Lane]) -> None:
+        """Give ``item`` back unrun (its group rewinds), and out of its other lanes."""
+        for lane in item.lanes:
+            if lane == group:
+                continue
+            queue = self._lanes[lane]
+            headed = queue[0] is item
+            queue.remove(item)
+            if not queue:
+                del self._lanes[lane]
+            elif headed:  # the next in this lane may be ready now (not so behind another)
+                touched.append(lane)
+        self._stats["held-back"] += 1
+        self._outcomes["", HELD_BACK.outcome] += 1
+        self._background(self._settle(item.delivery, HELD_BACK))
 
     def unstarted(self) -> list[Item]:
         """At shutdown: every item taken from the broker and never handed to a worker."""
-        items: list[Item] = []
-        while not self._ready.empty():
-            items.extend(_with_twins(self._ready.get_nowait().items))
-        for waiting in self._lanes.values():
-            for work in waiting:
-                items.extend(_with_twins(work.items))
+        running = {id(item) for work in self._running for item in work.items}
+        left: dict[int, Item] = {id(item): item for item in self._ready}
+        for queue in self._lanes.values():
+            left.update((id(item), item) for item in queue if id(item) not in running)
+        self._ready.clear()
         self._lanes.clear()
-        for bucket in self._buckets.values():
-            items.extend(_with_twins(bucket.items))
-        self._buckets.clear()
-        self._open.clear()
-        return items
+        return sorted(left.values(), key=_arrival)
 
     def running(self) -> list[Work]:
         return list(self._running)
+
+    def held(self) -> dict[str, int]:
+        """The sizes of what intake holds per delivery (all zero when nothing is in flight)."""
+        return {
+            "ready": len(self._ready),
+            "lanes": len(self._lanes),
+            "running": len(self._running),
+            "waiting turned away": len(self._turned_away),
+        }
+
+    def _wake(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def _take(self) -> Work:
+        """The unit of work for a worker now free: the first ready delivery, and what may
+        share its transaction."""
+        ready = self._ready
+        first = ready.popleft()
+        group = [first]
+        size = self._group.get(first.delivery.type or "", 1)  # 1 until its cost is known
+        if size > 1 and not first.single:
+            # what waits behind it in its lanes first (a key's credits in one session, a
+            # partition's records in order), then what else is ready, then what waits
+            # behind those
+            if first.lanes:
+                self._followers(group, size)
+            if ready and len(group) < size and not self._idle:
+                before = len(group)
+                self._company(group, size)
+                if len(group) > before:
+                    self._followers(group, size)
+            if len(group) > 1:
+                group.sort(key=_arrival)
+        work = Work(group, first.handlers)
+        work.taken = time.monotonic()
+        self._running.add(work)
+        self.in_flight += len(group)
+        return work
+
+    def _company(self, group: list[Item], size: int) -> None:
+        """Ready deliveries of the first one's type join its group, up to the cap (ready
+        deliveries hold no lane in common: each heads its lanes). Only when no other
+        worker is free: then everything is busy, and the cheapest way through is the
+        largest group; while one is free, a delivery runs at once beside the others
+        rather than wait behind a group's slowest member."""
+        handlers = group[0].handlers
+        ids = {item.message_id for item in group}
+        kept: list[Item] = []
+        ready = self._ready
+        for _ in range(min(len(ready), _SCAN)):
+            item = ready.popleft()
+            if (
+                len(group) < size
+                and item.handlers is handlers
+                and item.message_id not in ids
+                and not item.single
+            ):
+                group.append(item)
+                ids.add(item.message_id)
+            else:
+                kept.append(item)
+        ready.extendleft(reversed(kept))
+
+    def _followers(self, group: list[Item], size: int) -> None:
+        """Deliveries queued behind the group in its lanes join it while they are next in
+        every lane they hold (so each lane's deliveries still run in arrival order)."""
+        lanes = self._lanes
+        handlers = group[0].handlers
+        ids = {item.message_id for item in group}
+        taken: dict[Lane, int] = {}
+        for item in group:
+            for lane in item.lanes:
+                taken[lane] = taken.get(lane, 0) + 1
+        grew = True
+        while grew and len(group) < size:
+            grew = False
+            for lane, count in list(taken.items()):
+                queue = lanes[lane]
+                if count >= len(queue):
+                    continue
+                item = queue[count]
+                if (
+                    item.handlers is not handlers
+                    or item.message_id in ids
+                    or item.single
+                    or not all(
+                        taken.get(other, 0) < len(lanes[other])
+                        and lanes[other][taken.get(other, 0)] is item
+                        for other in item.lanes
+                    )
+                ):
+                    continue
+                group.append(item)
+                ids.add(item.message_id)
+                for other in item.lanes:
+                    taken[other] = taken.get(other, 0) + 1
+                grew = True
+                if len(group) >= size:
+                    return
 
     # -- the reader ---------------------------------------------------------------------
 
     async def run(self) -> None:
         """Receive until cancelled; the only caller of ``broker.receive``."""
+        receive, health, take = self._broker.receive, self._health, self._take_in
         while not self._stopping:
-            await self._health.wait_available()
-            try:  # no timeout here: a bucket ripens on a timer of its own (_bucket)
-                delivery = await self._broker.receive()
+            if not health.gate.is_set():
+                await health.wait_available()
+            try:
+                delivery = await receive()
             except Exception as exc:  # an adapter bug must not silently stop intake
                 self._log.error("receive failed", error=exc)
                 await asyncio.sleep(1.0)
                 continue
             try:
-                await self._take(delivery)
+                suspect = take(delivery)
+                if suspect is not None:
+                    await self._alone(suspect)
             except Exception as exc:  # nothing that goes wrong with one delivery ends intake
                 self._log.exception(
                     "intake failed on a delivery",
@@ -219,10 +438,8 @@ class Intake:
                     attempt=0,
                     outcome="nacked",
                 )
-                count, limit = delivery.delivery_count, self._settings.max_deliveries
-                item = Item(delivery, {})
-                item.consumer = ""
-                await self._settlement.one(item, unexpected(count, limit, exc))
+                verdict = unexpected(delivery.delivery_count, self._settings.max_deliveries, exc)
+                await self._settle(delivery, verdict)
 
     def stop(self) -> None:
         self._stopping = True
@@ -232,223 +449,150 @@ class Intake:
         """Wait for the give-backs of turned-away deliveries still under way."""
         await asyncio.gather(*self._turned_away, return_exceptions=True)
 
-    async def _take(self, delivery: Delivery) -> None:
-        handlers = self._handlers(delivery)
-        item, refused = self._prepare(delivery, handlers)
-        item.arrival = self._arrivals = self._arrivals + 1
-        if refused is not None:
-            item.verdict = refused
-            self._ready.put_nowait(Work([item]))
-            return
-        if delivery.suspect and await self._runs_alone(item, handlers):
-            await self._alone(self._single(item, handlers, alone=True))
-        elif self._size > 1 and self._may_batch(delivery):
-            self._bucket(item, handlers)
-        else:
-            if self._size > 1:
-                self._cut(item)
-            self._admit(self._single(item, handlers), fresh=True)
-
-    def _handlers(self, delivery: Delivery) -> tuple[Handler[Any], ...]:
+    def _take_in(self, delivery: Delivery) -> Item | None:
+        """Refuse, queue or admit ``delivery``; a suspect is returned, to run alone."""
         message_type = delivery.type
-        return self._registry.for_type(message_type) if isinstance(message_type, str) else ()
+        handlers = self._handlers.get(message_type, ()) if isinstance(message_type, str) else ()
+        self._arrivals += 1
+        item = self._prepare(delivery, handlers, self._arrivals)
+        if isinstance(item, Verdict):  # a worker settles it, through the middleware
+            message_id = delivery.message_id if isinstance(delivery.message_id, str) else ""
+            item = Item(delivery, message_id, (), {}, None, self._arrivals, True, True, item)
+            self._admit(item)  # in its delivery group's place: a partition keeps its order
+            return None
+        if delivery.suspect:
+            return item
+        self._admit(item, fresh=True)
+        return None
 
     def _prepare(
-        self, delivery: Delivery, handlers: tuple[Handler[Any], ...]
-    ) -> tuple[Item, Verdict | None]:
+        self, delivery: Delivery, handlers: tuple[Handler[Any], ...], arrival: int
+    ) -> Item | Verdict:
         """Decode once per model and compute the key; or the reason no handler can run it."""
-        item = Item(delivery, {})
         unreadable = _unreadable(delivery)
         if unreadable is not None:
-            return item, poison(unreadable)
+            return poison(unreadable)
         if not handlers:
-            return item, poison(f"no handler for message type {delivery.type!r}")
+            return poison(f"no handler for message type {delivery.type!r}")
         body = delivery.body
         if body[:3] == _BOM:  # JSON allows none, but Windows tools write one
             body = body[3:]
         messages: Messages = {}
+        key: Hashable = None
         for handler in handlers:
             model = handler.model
             if model not in messages:
                 try:
                     messages[model] = model.model_validate_json(body)
                 except ValidationError as exc:
-                    return item, poison(f"invalid body for {delivery.type}: {_first_error(exc)}")
+                    return poison(f"invalid body for {delivery.type}: {_first_error(exc)}")
                 except Exception as exc:  # a validator's own error: the body, every time
-                    reason = f"invalid body for {delivery.type}: {type(exc).__name__}: {exc}"
-                    return item, poison(reason)
-            if item.key is None and handler.key is not None:
+                    return poison(f"invalid body for {delivery.type}: {type(exc).__name__}: {exc}")
+            if key is None and handler.key is not None:
                 try:
                     key = handler.key(messages[model])
                     hash(key)
                 except Exception as exc:
                     reason = f"{handler.consumer}: key function failed: {type(exc).__name__}: {exc}"
-                    return item, poison(reason)
-                item.key = key
-        item.messages = messages
-        return item, None
+                    return poison(reason)
+        message_id = delivery.message_id
+        assert isinstance(message_id, str)  # _unreadable refused every other id
+        redelivered = delivery.redelivered
+        single = redelivered or not self._shared[delivery.type or ""]
+        return Item(delivery, message_id, handlers, messages, key, arrival, redelivered, single)
 
-    def _single(
-        self, item: Item, handlers: tuple[Handler[Any], ...], *, alone: bool = False
-    ) -> Work:
-        return Work([item], handlers, alone=alone, lanes=frozenset(_lanes(item)))
+    def _background(self, settling: Any) -> None:
+        task = asyncio.create_task(settling)
+        self._turned_away.add(task)
+        task.add_done_callback(self._turned_away.discard)
+
+    # -- lanes --------------------------------------------------------------------------
+
+    def _admit(self, item: Item, *, fresh: bool = False) -> None:
+        """Hand ``item`` out, or queue it behind the deliveries holding its lanes."""
+        lanes = self._lanes
+        if not item.lanes:
+            self._ready.append(item)
+            self._wake()
+            return
+        if fresh and item.key is not None:
+            queue = lanes.get(("key", item.key))
+            if (
+                queue is not None
+                and len(queue) >= self._lane_limit
+                and item.delivery.give_backs < _PARKED_REGARDLESS
+            ):
+                self._turn_away(item)
+                return
+        free = True
+        for lane in item.lanes:
+            queue = lanes.get(lane)
+            if queue is None:
+                lanes[lane] = deque((item,))
+            else:
+                queue.append(item)
+                free = False
+        if free:
+            self._ready.append(item)
+            self._wake()
+        elif fresh:
+            self._stats["parked"] += 1
+
+    def _turn_away(self, item: Item) -> None:
+        """A key with a full lane: the delivery goes back uncounted, after a delay."""
+        self._stats["key-busy"] += 1
+        verdict = Verdict(
+            Verb.NACK,
+            Outcome.KEY_BUSY,
+            f"key busy: {self._lane_limit} deliveries already wait for it",
+            GIVE_BACK_DELAY,
+            counted=False,
+        )
+        self._outcomes["", verdict.outcome] += 1
+        self._background(self._settle(item.delivery, verdict))
 
     # -- suspects -----------------------------------------------------------------------
 
-    async def _runs_alone(self, item: Item, handlers: tuple[Handler[Any], ...]) -> bool:
+    async def _alone(self, item: Item) -> None:
+        """Run a suspect with nothing else in flight, and take nothing until it is done;
+        unless it needs no such care (:meth:`_runs_alone`)."""
+        if not await self._runs_alone(item):
+            self._admit(item, fresh=True)
+            return
+        self._stats["suspects"] += 1
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_ALONE_WAIT):
+                while (self._running or self._ready) and not self._stopping:
+                    self._changed.clear()
+                    await self._changed.wait()
+        self._log.info(
+            "running a suspect alone",
+            message_id=item.message_id,
+            delivery_count=item.delivery.delivery_count,
+        )
+        self._suspect = item
+        self._admit(item)
+        while self._suspect is item and not self._stopping:
+            self._changed.clear()
+            await self._changed.wait()
+
+    async def _runs_alone(self, item: Item) -> bool:
         """Whether a suspect runs alone: always, unless the database can tell it was only
         held (every start is recorded, and this one's never was), or its first copy still
         runs here (it came back on a lost lock, not after a death). Running every delivery
         a dead process held one at a time costs a short queue of one (the prefetch); a
         suspect running beside others would charge them its next death too."""
-        if self._running_ids[item.message_id] > 0:
+        if any(i.message_id == item.message_id for w in self._running for i in w.items):
             return False
         settings = self._settings
-        if settings.delivery_counts == "database" and attempts.every_start(settings):
-            consumer = handlers[0].consumer
+        if settings.delivery_counts == "database" and settings.count_first_deliveries:
+            consumer = item.handlers[0].consumer
             return await attempts.started(self._engine, item.delivery, consumer)
         return True
 
-    async def _alone(self, work: Work) -> None:
-        """Run ``work`` with nothing else in flight, and take nothing until it is done."""
-        self._stats["suspects"] += 1
-        for bucket in list(self._buckets.values()):
-            self._release(bucket)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(_ALONE_WAIT):
-                await self._until_idle()
-        self._log.info(
-            "running a suspect alone",
-            message_id=work.items[0].delivery.message_id,
-            delivery_count=work.items[0].delivery.delivery_count,
-        )
-        self._suspect = work
-        self._admit(work)
-        while self._suspect is work and not self._stopping:
-            self._changed.clear()
-            await self._changed.wait()
 
-    async def _until_idle(self) -> None:
-        while (self._running or not self._ready.empty()) and not self._stopping:
-            self._changed.clear()
-            await self._changed.wait()
-
-    # -- lanes --------------------------------------------------------------------------
-
-    def _admit(self, work: Work, *, fresh: bool = False) -> None:
-        """Hand ``work`` out, or park it behind the first busy lane it needs."""
-        for lane in work.lanes:
-            waiting = self._lanes.get(lane)
-            if waiting is None:
-                continue
-            if fresh and lane[0] == "key" and len(waiting) >= self._park_limit:
-                delivery = work.items[0].delivery
-                if delivery.give_backs < _PARKED_REGARDLESS:
-                    self._turn_away(work)
-                    return
-            waiting.append(work)
-            if fresh:
-                self._stats["parked"] += 1
-            return
-        if work.seed:  # a delivery that waited for its key: now it joins a bucket
-            self._bucket(work.items[0], work.handlers)
-            return
-        for lane in work.lanes:
-            self._lanes[lane] = deque()
-        self._ready.put_nowait(work)
-
-    def _turn_away(self, work: Work) -> None:
-        """A key with a full lane: the delivery goes back uncounted, after a delay."""
-        self._stats["key-busy"] += 1
-        item = work.items[0]
-        verdict = Verdict(
-            Verb.NACK,
-            Outcome.KEY_BUSY,
-            f"key busy: {self._park_limit} deliveries already wait for it",
-            GIVE_BACK_DELAY,
-            counted=False,
-        )
-        item.verdict, item.consumer = verdict, ""
-        task = asyncio.create_task(self._settlement.one(item, verdict))
-        self._turned_away.add(task)
-        task.add_done_callback(self._turned_away.discard)
-
-    # -- batch mode ---------------------------------------------------------------------
-
-    def _may_batch(self, delivery: Delivery) -> bool:
-        # a redelivery runs on its own: it is counted on its own, and may be a suspect
-        return self._batchable.get(delivery.type or "", False) and not delivery.redelivered
-
-    def _bucket(self, item: Item, handlers: tuple[Handler[Any], ...]) -> None:
-        delivery = item.delivery
-        message_type, group = delivery.type or "", delivery.group
-        key_lane: Lane | None = ("key", item.key) if item.key is not None else None
-        holder = self._open.get(key_lane) if key_lane is not None else None
-        if holder is not None and (holder.type, holder.group) != (message_type, group):
-            self._release(holder)  # the key's open batch is another type's: it goes first
-            holder = None
-        if group is not None:
-            current = self._open.get(("group", group))
-            if current is not None and current.type != message_type:
-                self._release(current)  # a partition's records run in offset order
-        if key_lane is not None and holder is None and key_lane in self._lanes and group is None:
-            # The key runs elsewhere now: wait behind it, then join a bucket. (A delivery
-            # of a group joins its group's bucket at once, which then waits for the key:
-            # the group's later deliveries must not overtake it.)
-            seed = Work([item], handlers, lanes=frozenset({key_lane}), seed=True)
-            self._admit(seed, fresh=True)
-            return
-        bucket = self._buckets.get((message_type, group))
-        if bucket is None:
-            bucket = _Bucket(message_type, group)
-            self._buckets[message_type, group] = bucket
-            # ripe after WORKER_BATCH_WAIT, whoever opened it (the reader, or a worker
-            # whose key a waiting delivery needed) and whatever the reader waits for
-            asyncio.get_running_loop().call_later(self._wait, self._release, bucket)
-            if group is not None:
-                self._open["group", group] = bucket
-        first = bucket.by_id.get(item.message_id)
-        if first is not None:
-            first.twins.append(item)
-            return
-        bucket.by_id[item.message_id] = item
-        bucket.items.append(item)
-        if key_lane is not None:
-            bucket.lanes.add(key_lane)
-            self._open[key_lane] = bucket
-        if len(bucket.items) >= self._size:
-            self._release(bucket, handlers)
-
-    def _cut(self, item: Item) -> None:
-        """A delivery that runs on its own: its group's and its key's open batches go first."""
-        for lane in _lanes(item):
-            bucket = self._open.get(lane)
-            if bucket is not None:
-                self._release(bucket)
-
-    def _release(self, bucket: _Bucket, handlers: tuple[Handler[Any], ...] | None = None) -> None:
-        if self._buckets.get((bucket.type, bucket.group)) is not bucket:
-            return
-        del self._buckets[bucket.type, bucket.group]
-        lanes = set(bucket.lanes)
-        if bucket.group is not None:
-            lanes.add(("group", bucket.group))
-        for lane in lanes:
-            if self._open.get(lane) is bucket:
-                del self._open[lane]
-        if handlers is None:
-            handlers = self._registry.for_type(bucket.type)
-        self._admit(Work(bucket.items, handlers, batch=True, lanes=frozenset(lanes)))
-
-
-def _arrival(work: Work) -> int:
-    return work.items[0].arrival
-
-
-def _with_twins(items: list[Item]) -> Iterator[Item]:
-    for item in items:
-        yield item
-        yield from item.twins
+def _arrival(item: Item) -> int:
+    return item.arrival
 
 
 def _unreadable(delivery: Delivery) -> str | None:

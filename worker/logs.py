@@ -10,7 +10,12 @@ from typing import Any
 
 import structlog
 
-_URL_PASSWORD = re.compile(r"(?P<head>[a-z][a-z0-9+.\-]*://[^:/@\s]*:)[^@\s]+@", re.IGNORECASE)
+# A URL's credentials: everything from its scheme to the LAST "@" of the same token is the
+# user information, and everything in it after the first ":" is the password. A raw "@" (or
+# "/", "#", "?") inside a password makes parsers split at the first one and call the rest
+# the host; masking up to the last one hides the whole password whichever way the URL was
+# (mis)parsed, at the price of hiding a path or query "@" too.
+_URL_PASSWORD = re.compile(r"(?P<head>[a-z][a-z0-9+.\-]*://)(?P<userinfo>\S*)@", re.IGNORECASE)
 # Names whose value is a secret, in a ``key=value`` pair, a quoted ``"key": "value"`` pair
 # or as the key of a logged dict: passwords, *token (access_token, refresh_token...),
 # *secret (client_secret), API, access and private keys, the storage AccountKey, Service
@@ -49,7 +54,7 @@ def scrub(text: str) -> str:
     text costs a few substring tests and no regular expression.
     """
     if "@" in text:
-        text = _URL_PASSWORD.sub(r"\g<head>***@", text)
+        text = _URL_PASSWORD.sub(_mask_userinfo, text)
     if "ignature" in text or "IGNATURE" in text:
         text = _SAS.sub(r"\g<head>***", text)
     if ":" in text:
@@ -62,6 +67,11 @@ def scrub(text: str) -> str:
     if "=" in text:
         text = _KV_PAIR.sub(_mask_pair, text)
     return text
+
+
+def _mask_userinfo(match: re.Match[str]) -> str:
+    user, colon, _password = match["userinfo"].partition(":")
+    return f"{match['head']}{user}:{_MASK}@" if colon else match[0]
 
 
 def _mask_pair(match: re.Match[str]) -> str:

@@ -16,18 +16,19 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 from worker import metrics
 
 if TYPE_CHECKING:
+    from worker.intake import Work
+    from worker.transaction import Stage
     from worker.verdict import Verdict
-    from worker.work import Stage, Work
 
 T = TypeVar("T")
 R = TypeVar("R")
 
-NextWork = Callable[["Work"], Awaitable[None]]
+NextWork = Callable[["Work"], Awaitable[list["Verdict"]]]
 NextStage = Callable[["Stage"], Awaitable[list["Verdict"]]]
 
 
 class WorkMiddleware(Protocol):
-    async def __call__(self, work: Work, call_next: NextWork) -> None: ...
+    async def __call__(self, work: Work, call_next: NextWork) -> list[Verdict]: ...
 
 
 class StageMiddleware(Protocol):

@@ -59,7 +59,10 @@ transaction, as it waited on A's index entry before; A commits, B gets 23505 and
 rolls back, B's insert goes on. ``lock_timeout`` bounds that wait exactly as it bounded
 the index wait (SQLSTATE 55P03). Under REPEATABLE READ or SERIALIZABLE step 3's snapshot
 would be the transaction's own, taken before the wait, so the function refuses to run
-there (the pump's transactions are READ COMMITTED).
+there. The worker's own transactions say READ COMMITTED when they begin
+(:func:`worker.db.create_engine`), so neither a database's or role's
+``default_transaction_isolation`` nor a handler's ``SET SESSION CHARACTERISTICS`` left on
+a pooled connection reaches them; only a transaction that asks for more itself is refused.
 
 Time is only the retention's business: partitions are made ahead and dropped by
 ``stored_at``, but no dedup decision depends on which partition a copy landed in, on a

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import enum
 import importlib
+import os
+import sysconfig
+import traceback
 from collections.abc import Awaitable, Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar, overload
@@ -43,12 +46,6 @@ class Handler(Generic[M]):
     runs: Runs = Runs.TRANSACTION
     key: Callable[[M], Hashable] | None = None
     batch: BatchHandlerFunc[M] | None = None
-
-    @property
-    def batchable(self) -> bool:
-        """Whether batch mode may run it inside a shared transaction: not a side-effect
-        claim (its call happens between two commits of its own)."""
-        return self.runs is Runs.TRANSACTION
 
 
 class Registry:
@@ -112,8 +109,9 @@ class Registry:
 
         ``batch=True`` registers a batch handler, ``async def f(ctx: BatchContext,
         messages: Sequence[Model])``, for set-based SQL over many messages in one
-        transaction (WORKER_BATCH_SIZE, docs/batch.md). It is called with a one-element
-        list outside batch mode and when a failed batch falls back to one at a time.
+        transaction (a group: WORKER_BATCH_SIZE, docs/batch.md). It is called with a
+        one-element list for a delivery that runs alone, and when a failed group falls
+        back to one at a time.
         """
         if side_effect and not inbox:
             raise ConfigurationError(f"{message_type}: a side-effect handler needs the inbox")
@@ -179,8 +177,56 @@ handler = registry.handler
 
 
 def import_handlers(modules: Iterable[str]) -> None:
+    """Import the modules of WORKER_HANDLERS; one that fails stops the command in one line."""
     for name in modules:
         try:
             importlib.import_module(name)
-        except ImportError as exc:
-            raise ConfigurationError(f"WORKER_HANDLERS: cannot import {name!r}: {exc}") from None
+        except ConfigurationError:
+            raise  # the module's own refusal (a setting it loads), already one line
+        except Exception as exc:  # a syntax error, or whatever its top level raised
+            raise cannot_import(name, exc) from None
+
+
+def cannot_import(module: str, exc: BaseException) -> ConfigurationError:
+    """One line for a handler module that failed to import: what it raised, and the file
+    and line it was raised at in the handler author's code (not the import machinery's, nor
+    a library's that the module's top level called)."""
+    what = " ".join(f"{type(exc).__name__}: {exc}".split())
+    where = ""
+    if isinstance(exc, SyntaxError):  # its own text carries "(file, line N)" already
+        what = f"{type(exc).__name__}: {exc.msg}"
+        where = _place(exc.filename, exc.lineno)
+    elif not (isinstance(exc, ModuleNotFoundError) and _names_itself(module, exc.name)):
+        frame = _authors_frame(traceback.extract_tb(exc.__traceback__))
+        where = _place(frame.filename, frame.lineno) if frame else ""
+    return ConfigurationError(f"WORKER_HANDLERS: cannot import {module!r}: {what}{where}")
+
+
+def _names_itself(module: str, missing: str | None) -> bool:
+    """Whether the module missing is ``module`` or a package above it: no file to name."""
+    return missing is not None and (module == missing or module.startswith(missing + "."))
+
+
+def _authors_frame(frames: list[traceback.FrameSummary]) -> traceback.FrameSummary | None:
+    """The deepest frame in the folder of the file the import started in, outside the
+    interpreter's and the installed libraries' folders (unless the module lives there)."""
+    found = [f for f in frames if not f.filename.startswith(("<frozen", _WORKER_PACKAGE))]
+    started = next((f for f in found if f.filename != importlib.__file__), None)
+    if started is None:
+        return None
+    home = os.path.dirname(started.filename) + os.sep
+    libraries = tuple(p for p in _LIBRARIES if not home.startswith(p))
+    own = [f for f in found if f.filename.startswith(home) and not f.filename.startswith(libraries)]
+    return (own or found)[-1]
+
+
+def _place(filename: str | None, line: int | None) -> str:
+    if not filename:
+        return ""
+    return f" ({filename}, line {line})" if line else f" ({filename})"
+
+
+_WORKER_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_LIBRARIES = tuple(
+    {os.path.join(sysconfig.get_paths()[name], "") for name in ("stdlib", "purelib", "platlib")}
+)

@@ -12,13 +12,24 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import json
 import os
+import re
+import types
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Literal, TypeVar
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
-from pydantic import Field, ValidationError, ValidationInfo, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import (
+    BeforeValidator,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from worker.errors import ConfigurationError
 
@@ -28,6 +39,35 @@ _SECRET_HINTS = ("url", "password", "connection", "secret", "key")
 
 
 _WINDOW_INPUTS = ("broker_lock_timeout", "max_deliveries", "message_ttl", "dead_letter_margin")
+
+DURATION_FORMS = (
+    "seconds (3600), a number and a unit (90s, 30m, 12h, 14d) or ISO 8601 (PT30M, P14D)"
+)
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+_NUMBER_AND_UNIT = re.compile(r"(\d+(?:\.\d+)?)\s*([smhd]?)", re.IGNORECASE)
+_TIMEDELTA: TypeAdapter[timedelta] = TypeAdapter(timedelta)
+
+
+def _duration(value: object) -> object:
+    """A duration as people write it: seconds, a number and a unit, or ISO 8601.
+
+    pydantic alone reads ``60`` as a malformed ISO duration ("day identifier in duration
+    not correctly formatted"), while most users write durations in seconds.
+    """
+    if not isinstance(value, str) or not value.strip():
+        return value
+    text = value.strip()
+    plain = _NUMBER_AND_UNIT.fullmatch(text)
+    if plain is not None:
+        return timedelta(seconds=float(plain[1]) * _UNITS[plain[2].lower()])
+    try:
+        return _TIMEDELTA.validate_python(text)
+    except ValidationError:
+        raise ValueError(f"takes {DURATION_FORMS}") from None
+
+
+Duration = Annotated[timedelta, BeforeValidator(_duration)]
+"""A ``timedelta`` setting that also takes seconds and units (:data:`DURATION_FORMS`)."""
 
 
 class Settings(BaseSettings):
@@ -87,19 +127,13 @@ class Settings(BaseSettings):
     retry_backoff_max: float = Field(1.0, ge=0, description="Cap of the jittered backoff, seconds.")
     grace_period: float = Field(25.0, ge=0, description="Seconds in-flight work gets at shutdown.")
     fast_path: bool = Field(True, description="Check the inbox before running a redelivery.")
-    # -- batch mode (docs/batch.md) --
+    # -- group commit (docs/batch.md) --
     batch_size: int = Field(
-        1,
+        32,
         ge=1,
         le=1000,
-        description="Deliveries of one type (and group) run in one transaction; 1: batch mode off.",
-    )
-    batch_wait: float = Field(
-        0.005,
-        ge=0,
-        le=5,
-        description="Seconds a batch may wait to fill. Under load batches fill from the "
-        "prefetched deliveries at once; on a quiet queue this is the latency added per message.",
+        description="At most this many deliveries of one type that are ready together share "
+        "one transaction (group commit); a delivery alone never waits for company. 1: off.",
     )
     # -- version tokens, side-effect claims, inbox retention (docs/concurrency.md) --
     claim_lease: float = Field(
@@ -110,16 +144,16 @@ class Settings(BaseSettings):
     claim_call_timeout: float = Field(
         30.0, gt=0, description="Seconds an external call may take; shorter than the lease."
     )
-    broker_lock_timeout: timedelta = Field(
+    broker_lock_timeout: Duration = Field(
         timedelta(minutes=30), description="The broker's lock / visibility / ack timeout."
     )
-    message_ttl: timedelta = Field(
+    message_ttl: Duration = Field(
         timedelta(days=14), description="How long the broker keeps a message it has not delivered."
     )
-    dead_letter_margin: timedelta = Field(
+    dead_letter_margin: Duration = Field(
         timedelta(days=7), description="How late an operator may still re-submit a dead letter."
     )
-    inbox_retention: timedelta | None = Field(
+    inbox_retention: Duration | None = Field(
         None,
         description="Finished markers are kept this long; default and minimum: redelivery window.",
     )
@@ -128,7 +162,7 @@ class Settings(BaseSettings):
         description="PostgreSQL: partitioned keeps the inbox in time partitions and retention "
         "drops whole ones (`worker migrate` converts a plain table online); SQLite: table.",
     )
-    inbox_partition_period: timedelta | None = Field(
+    inbox_partition_period: Duration | None = Field(
         None,
         description="Time one inbox partition covers; default: a quarter of the retention, "
         "in whole days (or hours, minutes, seconds).",
@@ -271,6 +305,10 @@ class Settings(BaseSettings):
     def _supported_database(cls, value: str) -> str:
         if not value.startswith(("sqlite+aiosqlite://", "postgresql+asyncpg://")):
             raise ValueError("must start with sqlite+aiosqlite:// or postgresql+asyncpg://")
+        if value.startswith("postgresql"):
+            _unambiguous(value)
+        else:
+            _sqlite_folder_exists(value)
         from sqlalchemy.engine import make_url
 
         try:  # a port that is not a number: a configuration error, not a traceback at connect
@@ -287,6 +325,20 @@ class Settings(BaseSettings):
             raise ValueError("pooler= takes transaction or session, on a PostgreSQL URL")
         return value
 
+    @field_validator("message_id_func")
+    @classmethod
+    def _module_and_function(cls, value: str | None) -> str | None:
+        if not value:
+            return None
+        module, colon, function = value.strip().partition(":")
+        dotted = all(part.isidentifier() for part in module.split("."))
+        if not colon or not dotted or not function.isidentifier():
+            raise ValueError(
+                "takes 'module:function' (for example myapp.ids:message_id): the function "
+                "that returns the dedup key of the broker's raw message"
+            )
+        return value.strip()
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _upper(cls, value: object) -> object:
@@ -299,6 +351,41 @@ class Settings(BaseSettings):
     @property
     def pool_size(self) -> int:
         return self.db_pool_size or self.concurrency + 2
+
+
+def _unambiguous(url: str) -> None:
+    """Refuse a URL that parsers split in different places (the message never repeats it).
+
+    With a raw ``@`` in the password, SQLAlchemy splits at the first one and takes the
+    password's tail for the host name: every connection fails as if the server were away,
+    and the tail would travel in host names and error texts.
+    """
+    if any(character.isspace() for character in url):
+        raise ValueError("holds a space: percent-encode it in the user name or password (%20)")
+    if url.partition("?")[0].count("@") > 1:
+        raise ValueError(
+            "holds more than one '@': percent-encode an '@' in the user name or password "
+            "as %40 (the text after the first '@' would be taken for the host)"
+        )
+
+
+def _sqlite_folder_exists(url: str) -> None:
+    """SQLite creates its file but not the folder: refuse at once what every connect would
+    fail on ("unable to open database file"), instead of retrying it as an outage."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        database = make_url(url).database
+    except ValueError:
+        return  # the caller reports the URL itself
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return
+    folder = Path(database).parent
+    if not folder.is_dir():
+        raise ValueError(
+            f"the SQLite file's folder {str(folder)!r} does not exist (SQLite creates the "
+            "file, not its folder)"
+        )
 
 
 MAX_LIVE_PARTITIONS = 60
@@ -330,6 +417,8 @@ def load(cls: type[S], *, check: bool = True) -> S:
         settings = cls()
     except ValidationError as exc:
         raise ConfigurationError(describe(exc, cls)) from None
+    except SettingsError as exc:  # a JSON-typed variable that is not JSON
+        raise ConfigurationError(not_json(exc, cls)) from None
     if check:
         check_environment(cls)
     return settings
@@ -441,7 +530,7 @@ def _import_handler_modules() -> None:
     for name in modules:
         try:
             importlib.import_module(name)
-        except ImportError:
+        except Exception:  # reported, in one line, by the command that imports the module
             continue
 
 
@@ -452,5 +541,93 @@ def describe(exc: ValidationError, cls: type[BaseSettings]) -> str:
         field = str(error["loc"][0]) if error["loc"] else "?"
         name = f"{prefix}{field}".upper()
         shown = "" if any(h in field for h in _SECRET_HINTS) else f"={error.get('input')!r}"
-        problems.append(f"{name}{shown}: {error['msg']}")
+        form = json_form(cls, field)
+        hint = f" ({form})" if form and error["type"] in _TYPE_ERRORS else ""
+        problems.append(f"{name}{shown}: {error['msg']}{hint}")
     return "; ".join(problems)
+
+
+# pydantic's error types for a value of the wrong shape: where a JSON setting says its form
+_TYPE_ERRORS = frozenset({"list_type", "dict_type", "string_type", "float_parsing", "float_type"})
+_FIELD_NAMED = re.compile(r'field "(?P<field>\w+)"')
+
+
+def not_json(exc: SettingsError, cls: type[BaseSettings]) -> str:
+    """One line for a JSON-typed variable given as plain text: the variable, what it holds,
+    the form it takes, and the value written that way where the intent is plain."""
+    prefix = str(cls.model_config.get("env_prefix", "")).upper()
+    found = _FIELD_NAMED.search(str(exc))
+    field = found["field"] if found else ""
+    form = json_form(cls, field)
+    if not form:
+        return f"{prefix}*: {exc}"
+    name = f"{prefix}{field.upper()}"
+    value = next((v for k, v in os.environ.items() if k.upper() == name), "")
+    if any(h in field for h in _SECRET_HINTS if h != "key") or _is_secret(field):
+        return f"{name}: not JSON; it takes {form}"
+    line = f"{name}={value!r}: not JSON; it takes {form}"
+    suggestion = _as_json(cls, field, value)
+    return f"{line}; write {name}='{suggestion}'" if suggestion else line
+
+
+def _is_secret(field: str) -> bool:
+    from worker.logs import is_secret_name
+
+    return is_secret_name(field)
+
+
+def _shape(cls: type[BaseSettings], field: str) -> tuple[type | None, tuple[Any, ...]]:
+    """The container type of a JSON-typed field (list or dict, unwrapping ``| None``), and
+    its item types; (None, ()) for any other field."""
+    info = cls.model_fields.get(field)
+    annotation = info.annotation if info is not None else None
+    if get_origin(annotation) in (Union, types.UnionType):
+        annotation = next((a for a in get_args(annotation) if a is not type(None)), None)
+    origin = get_origin(annotation)
+    if origin in (list, dict, set, tuple):
+        return origin, get_args(annotation)
+    return None, ()
+
+
+def json_form(cls: type[BaseSettings], field: str) -> str:
+    """How a JSON-typed field is written, for the messages; "" for any other field."""
+    origin, items = _shape(cls, field)
+    if origin is None:
+        return ""
+    if origin is dict:
+        what, example = "a JSON object", '{"name": "value"}'
+    elif items and items[0] in (float, int):
+        what, example = "a JSON list of numbers", "[1, 5, 30]"
+    else:
+        what, example = "a JSON list of strings", '["first", "second"]'
+    described = _JSON_EXAMPLE.search(cls.model_fields[field].description or "")
+    if described is not None:  # the field's own example, when its description has one
+        try:
+            json.loads(described[0])
+            example = described[0]
+        except ValueError:
+            pass
+    return f"{what}, such as {example}"
+
+
+_JSON_EXAMPLE = re.compile(r"\{[^{}]*\}|\[[^\[\]]*\]")
+
+
+def _as_json(cls: type[BaseSettings], field: str, value: str) -> str:
+    """``value`` written as the JSON the field takes, when its meaning is plain: ``a=b,c=d``
+    or ``a:b`` for an object, ``x,y`` for a list; "" when it is not."""
+    origin, items = _shape(cls, field)
+    parts = [part.strip() for part in value.split(",") if part.strip()]
+    if not parts:
+        return ""
+    if origin is dict:
+        pairs = [re.split(r"\s*[=:]\s*", part, maxsplit=1) for part in parts]
+        if any(len(pair) != 2 or not all(pair) for pair in pairs):
+            return ""
+        return json.dumps(dict(pairs))
+    if items and items[0] in (float, int):
+        try:
+            return json.dumps([json.loads(part) for part in parts])
+        except ValueError:
+            return ""
+    return json.dumps(parts)

@@ -1,15 +1,21 @@
 """Settlement: the only code that acks, nacks or dead-letters a delivery.
 
-Each item of a unit of work ends with one verdict (:mod:`worker.verdict`); this
+Each delivery of a unit of work ends with one verdict (:mod:`worker.verdict`); this
 module turns it into exactly one broker verb, and owns what goes with it:
 
 - the acks of a unit of work go out together (``Settler.ack_many``: one frame where
-  the broker allows it), twins of an acked item with them, as duplicates;
-- an uncounted give-back refunds the durable count only if this delivery's start
-  moved it (:mod:`worker.attempts`);
-- an uncounted give-back that is the message's own path (not the environment's) is
-  bounded: its delay grows with the message's ``give_backs``, and past
-  ``WORKER_MAX_GIVE_BACKS`` it counts, so a message that always takes it still ends;
+  the broker allows it);
+- an uncounted give-back refunds the durable count if this delivery's start moved it
+  (:mod:`worker.attempts`), and before the give-back: while the database cannot take
+  the refund, the delivery is held (the pump has paused, so nothing else runs) and the
+  refund is tried again once it answers, so an outage costs no message a count;
+- an uncounted give-back is bounded: its delay grows with the message's
+  ``give_backs``, and past ``WORKER_MAX_GIVE_BACKS`` it counts, so a message that
+  always takes it still ends. That holds for a pause too (an outage gives back only
+  what was in flight, once, and nothing is taken while it lasts, so a message meets it
+  again only when it trips the same fault right after each recovery); only the
+  shutdown's give-back and a record held back behind an earlier one are bounded
+  elsewhere (``Verdict.bounded_elsewhere``);
 - a settlement the broker no longer accepts is "settlement lost": logged, counted,
   never a success (the broker redelivers); a second settlement of one delivery is a
   bug, logged loudly, never mistaken for a lost one; an adapter that raises anything
@@ -21,23 +27,27 @@ period, and a settlement cut short is a redelivery the inbox absorbs.
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from worker import attempts
 from worker.delivery import ack_many
-from worker.errors import AlreadySettled, SettlementLost
+from worker.errors import AcksFailed, AlreadySettled, SettlementLost
 from worker.verdict import GIVE_BACK_DELAY, Outcome, Verb, Verdict
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
     from worker.delivery import Delivery
+    from worker.health import DatabaseHealth
+    from worker.intake import Work
     from worker.settings import Settings
-    from worker.work import Item, Work
 
 _MAX_GIVE_BACK_DELAY = 30.0
+_REFUND_TRIES = 3
+_STOPPING_REFUND = 5.0  # seconds the shutdown gives one refund
+"""Refunds tried while the database answers pings but refuses the refund, 1 s apart."""
 
 
 def give_back_delay(give_backs: int, floor: float | None) -> float:
@@ -47,7 +57,7 @@ def give_back_delay(give_backs: int, floor: float | None) -> float:
 
 
 class Settlement:
-    """Settles the items of units of work for one pump."""
+    """Settles the deliveries of units of work for one pump."""
 
     def __init__(
         self,
@@ -55,50 +65,47 @@ class Settlement:
         settings: Settings,
         log: Any,
         stats: Counter[str],
+        health: DatabaseHealth,
     ) -> None:
         self._engine = engine
         self.settings = settings
         self.log = log
         self.stats = stats
+        self._health = health
+        self.stopping = False
+        """Set at shutdown: a refund no longer waits for the database."""
 
-    async def work(self, work: Work) -> None:
-        """Every item of ``work`` (and its twins) ends settled or logged loudly."""
-        acks: list[Item] = []
-        for item in work.items:
-            if item.deferred:
-                continue  # runs again on its own (worker.intake)
-            verdict = item.verdict
-            assert verdict is not None  # the dispatch gives every item one
+    async def work(self, work: Work, verdicts: list[Verdict]) -> None:
+        """Every delivery of ``work`` ends settled, or logged loudly."""
+        items = work.items
+        consumer = work.handlers[-1].consumer if work.handlers else ""  # whose an ack is
+        if len(items) == 1:
+            await self.one(items[0].delivery, verdicts[0], work.counted, consumer)
+            return
+        acks: list[tuple[Delivery, Verdict]] = []
+        for item, verdict in zip(items, verdicts, strict=True):
             if verdict.verb is Verb.ACK:
-                acks.append(item)
-                for twin in item.twins:  # the same id twice in one batch: the copy is done
-                    twin.verdict = replace(verdict, outcome=Outcome.DUPLICATE)
-                    twin.consumer = item.consumer
-                    self.stats["duplicates-in-batch"] += 1
-                    self.stats["duplicate"] += 1
-                    self.log.info(
-                        "duplicate",
-                        message_id=twin.delivery.message_id,
-                        consumer=item.consumer,
-                        attempt=0,
-                        outcome="duplicate",
-                        twin=True,
-                    )
-                    acks.append(twin)
+                acks.append((item.delivery, verdict))
             else:
-                await self.one(item, verdict)
+                await self.one(item.delivery, verdict, work.counted, consumer)
         if len(acks) == 1:
-            [item] = acks
-            assert item.verdict is not None
-            await self.one(item, item.verdict)
+            await self.one(*acks[0], None, consumer)
         elif acks:
-            await self._ack_many(acks)
+            await self._ack_many([delivery for delivery, _ in acks], consumer)
 
-    async def one(self, item: Item, verdict: Verdict) -> None:
-        """Settle one item on ``verdict``; never raises."""
-        delivery = item.delivery
+    async def one(
+        self,
+        delivery: Delivery,
+        verdict: Verdict,
+        counted: str | None = None,
+        consumer: str = "",
+    ) -> None:
+        """Settle one delivery on ``verdict``; never raises. ``counted``: the consumer whose
+        durable count this delivery's start moved, if it did; ``consumer``: whose verdict
+        it is, where the verdict does not say (a commit, a duplicate)."""
+        consumer = verdict.consumer or consumer
         try:
-            await self._settle(item, verdict)
+            await self._settle(delivery, verdict, counted, consumer)
         except AlreadySettled as exc:  # a bug in the worker or an adapter: never a success
             self._settled_twice(delivery, exc)
         except Exception as exc:
@@ -106,26 +113,28 @@ class Settlement:
             self.log.error(
                 "settlement failed, broker will redeliver",
                 message_id=delivery.message_id,
-                consumer=item.consumer,
+                consumer=consumer,
                 attempt=verdict.attempt,
                 verb=verdict.verb,
                 outcome="settlement-failed",
                 error=exc,
+                settled=delivery.settled,
             )
 
-    async def _settle(self, item: Item, verdict: Verdict) -> None:
-        delivery = item.delivery
+    async def _settle(
+        self, delivery: Delivery, verdict: Verdict, counted: str | None, consumer: str
+    ) -> None:
         verb = verdict.verb
         try:
             if verb is Verb.ACK:
                 await delivery.ack()
             elif verb is Verb.NACK:
-                await self._give_back(item, verdict)
+                await self._give_back(delivery, verdict, counted, consumer)
             else:
                 assert verdict.reason is not None
                 await delivery.dead_letter(verdict.reason)
         except SettlementLost as exc:
-            self._lost(delivery, item.consumer, verdict.attempt, verb, exc)
+            self._lost(delivery, consumer, verdict.attempt, verb, exc)
             return
         self.stats[verb] += 1
         if verb is Verb.DEAD_LETTER:
@@ -133,7 +142,7 @@ class Settlement:
             self.log.warning(
                 "dead-lettered",
                 message_id=delivery.message_id,
-                consumer=item.consumer,
+                consumer=consumer,
                 attempt=verdict.attempt,
                 type=delivery.type,
                 delivery_count=delivery.delivery_count,
@@ -141,43 +150,89 @@ class Settlement:
                 outcome=verdict.outcome,
             )
 
-    async def _give_back(self, item: Item, verdict: Verdict) -> None:
-        delivery = item.delivery
-        counted, delay = verdict.counted, verdict.delay
-        if not counted and not verdict.environment:
+    async def _give_back(
+        self, delivery: Delivery, verdict: Verdict, counted: str | None, consumer: str
+    ) -> None:
+        spends, delay = verdict.counted, verdict.delay
+        if not spends and not verdict.bounded_elsewhere:
             if delivery.give_backs >= self.settings.max_give_backs:
-                counted = True  # always this path: from here on it spends its count
+                spends = True  # always this path: from here on it spends its count
                 self.stats["give-backs-bounded"] += 1
                 self.log.warning(
                     "give-back bound reached, counted from now on",
                     message_id=delivery.message_id,
-                    consumer=item.consumer,
+                    consumer=consumer,
                     give_backs=delivery.give_backs,
                     outcome=verdict.outcome,
                     reason=verdict.reason,
                 )
-            else:
+            elif verdict.outcome is not Outcome.PAUSED:  # a pause sets its own pace
                 delay = give_back_delay(delivery.give_backs, delay)
-        if not counted and item.counted is not None:  # take back the start it spent
-            await attempts.refund(self._engine, delivery, item.counted)
-            item.counted = None
-        await delivery.nack(delay, counted=counted)
+        if not spends and counted is not None:  # take back the start it spent
+            await self._refund(delivery, counted)
+        await delivery.nack(delay, counted=spends)
 
-    async def _ack_many(self, items: list[Item]) -> None:
-        deliveries = [item.delivery for item in items]
+    async def _refund(self, delivery: Delivery, consumer: str) -> None:
+        """Refund the start, waiting for a database that is away (the pump is paused,
+        and holding the delivery is what a paused worker does), unless stopping."""
+        tries = 0
+        while not await self._refunded(delivery, consumer):
+            health = self._health
+            if self.stopping:
+                break
+            if health.gate.is_set():
+                tries += 1
+                if tries >= _REFUND_TRIES:
+                    break
+                await asyncio.sleep(1.0)
+                continue
+            await health.wait_available()
+        else:
+            return
+        self.stats["refund-lost"] += 1
+        self.log.warning(
+            "delivery count not refunded",
+            message_id=delivery.message_id,
+            consumer=consumer,
+            delivery_count=delivery.delivery_count,
+            outcome="refund-lost",
+        )
+
+    async def _refunded(self, delivery: Delivery, consumer: str) -> bool:
+        if not self.stopping:
+            return await attempts.refund(self._engine, delivery, consumer)
+        try:  # the shutdown waits for no database: a black-holed one would hold it for ever
+            async with asyncio.timeout(_STOPPING_REFUND):
+                return await attempts.refund(self._engine, delivery, consumer)
+        except TimeoutError:
+            return False
+
+    async def _ack_many(self, deliveries: list[Delivery], consumer: str) -> None:
+        failed: list[tuple[Delivery, Exception]] = []
         try:
             lost = set(await ack_many(deliveries))
-        except AlreadySettled as exc:
-            self._settled_twice(deliveries[0], exc)
-            return
-        except Exception as exc:
-            self.stats["settlement-failed"] += len(deliveries)
-            self.log.error("settlement failed, broker will redeliver", error=exc, size=len(items))
-            return
-        self.stats["ack"] += len(deliveries) - len(lost)
-        for item in items:
-            if item.delivery in lost:
-                self._lost(item.delivery, item.consumer, 0, Verb.ACK, None)
+        except AcksFailed as exc:  # the others went out
+            lost, failed = set(), exc.failures
+        except Exception as exc:  # nothing went out
+            lost, failed = set(), [(delivery, exc) for delivery in deliveries]
+        for delivery, error in failed:
+            if isinstance(error, AlreadySettled):
+                self._settled_twice(delivery, error)
+                continue
+            self.stats["settlement-failed"] += 1
+            self.log.error(
+                "settlement failed, broker will redeliver",
+                message_id=delivery.message_id,
+                consumer=consumer,
+                attempt=0,
+                verb=Verb.ACK,
+                outcome="settlement-failed",
+                error=error,
+            )
+        self.stats["ack"] += len(deliveries) - len(lost) - len(failed)
+        for delivery in deliveries:
+            if delivery in lost:
+                self._lost(delivery, consumer, 0, Verb.ACK, None)
 
     def _lost(
         self,

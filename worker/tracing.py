@@ -39,10 +39,11 @@ if TYPE_CHECKING:
 
     from worker.brokers import Broker
     from worker.delivery import Delivery
+    from worker.intake import Work
     from worker.middleware import NextStage, NextWork
     from worker.settings import Settings
+    from worker.transaction import Stage
     from worker.verdict import Verdict
-    from worker.work import Stage, Work
 
 # Adapter name -> the semantic conventions' ``messaging.system`` value.
 MESSAGING_SYSTEMS = {"rabbitmq": "rabbitmq", "kafka": "kafka", "servicebus": "servicebus"}
@@ -98,7 +99,7 @@ class Tracing:
         self._name = f"process {self._destination}"
         self.stages = Transactions(self)
 
-    async def __call__(self, work: Work, call_next: NextWork) -> None:
+    async def __call__(self, work: Work, call_next: NextWork) -> list[Verdict]:
         """Run the unit of work inside its consumer span."""
         if len(work.items) == 1:
             delivery = work.items[0].delivery
@@ -113,8 +114,9 @@ class Tracing:
         with self._tracer.start_as_current_span(
             self._name, context=parent, kind=SpanKind.CONSUMER, attributes=attributes, links=links
         ) as span:
-            await call_next(work)
-            _record(span, [item.verdict for item in work.items])
+            verdicts = await call_next(work)
+            _record(span, verdicts)
+            return verdicts
 
     def _common(self) -> dict[str, Any]:
         return {
@@ -166,9 +168,8 @@ def _link(headers: Mapping[Any, Any]) -> Link:
     return Link(context)
 
 
-def _record(span: Span, verdicts: list[Verdict | None]) -> None:
+def _record(span: Span, ended: list[Verdict]) -> None:
     """The verdicts on the consumer span: its outcome and the settlement it leads to."""
-    ended = [verdict for verdict in verdicts if verdict is not None]
     if not ended:
         span.set_attribute("worker.settlement", "unsettled")
         return

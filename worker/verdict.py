@@ -37,6 +37,7 @@ class Outcome(enum.StrEnum):
     KEY_BUSY = "key-busy"
     IN_PROGRESS = "in-progress"
     SHUTDOWN = "shutdown"
+    HELD_BACK = "held-back"  # behind a record of its delivery group that did not commit
     REJECTED = "rejected"
     PRECONDITION_FAILED = "precondition-failed"
     DELETED = "deleted"
@@ -78,12 +79,18 @@ class Verdict:
     message's ``give_backs``, its delay grows with them, and past
     ``WORKER_MAX_GIVE_BACKS`` it counts (:mod:`worker.settle`).
 
-    ``environment=True`` (with ``counted=False``): the environment is at fault (the
-    database is away, read-only or full, the worker is stopping), and the pump has
-    paused or is stopping, so the message is not taken again until that is over:
-    bounded by the pause, never by the message's give-backs.
+    That holds when the environment is at fault too (the database is away, read-only
+    or full): the pump pauses until a probe says it is over and takes nothing
+    meanwhile, so a message meets the fault again only if it trips it right after each
+    recovery, which is what a message that causes it does (a write too big for the
+    disk, a query over a per-query limit): bounded like any other give-back.
 
-    ``attempt`` is filled in on the unhappy path only, for the log lines.
+    ``bounded_elsewhere=True`` (with ``counted=False``): the give-back is bounded by
+    something other than the message's give-backs: the shutdown itself, or the earlier
+    record of its delivery group that it waits behind.
+
+    ``attempt`` and ``consumer`` are filled in on the unhappy path only, for the log
+    lines (a commit or a duplicate is the shared constant).
     """
 
     verb: Verb
@@ -92,7 +99,8 @@ class Verdict:
     delay: float | None = None
     counted: bool = True
     attempt: int = 0  # the handler attempt that ended it (0: before any handler ran)
-    environment: bool = False
+    bounded_elsewhere: bool = False
+    consumer: str = ""
 
 
 COMMITTED = Verdict(Verb.ACK, Outcome.COMMITTED)
@@ -115,16 +123,24 @@ def failure(consumer: str, exc: BaseException, delivery_count: int, max_deliveri
 GIVE_BACK_DELAY = 1.0
 """Seconds before an uncounted give-back (pause, contention, shutdown) comes back."""
 
-PAUSED = Verdict(
+PAUSED = Verdict(Verb.NACK, Outcome.PAUSED, "database unavailable", GIVE_BACK_DELAY, counted=False)
+HELD_BACK = Verdict(
     Verb.NACK,
-    Outcome.PAUSED,
-    "database unavailable",
-    GIVE_BACK_DELAY,
+    Outcome.HELD_BACK,
+    "an earlier record of its delivery group was given back",
+    0.0,
     counted=False,
-    environment=True,
+    bounded_elsewhere=True,  # by the earlier record's own bound
 )
+"""A record behind one of its delivery group that was given back: the adapter rewinds the
+group to the earlier one (Kafka seeks back), so this one must not run before it."""
 STOPPING = Verdict(
-    Verb.NACK, Outcome.SHUTDOWN, "the worker is stopping", 0.0, counted=False, environment=True
+    Verb.NACK,
+    Outcome.SHUTDOWN,
+    "the worker is stopping",
+    0.0,
+    counted=False,
+    bounded_elsewhere=True,
 )
 
 

@@ -30,13 +30,14 @@ from sqlalchemy import text
 
 from worker import logs, partitions, retention, rollover
 from worker.brokers.memory import MemoryBroker
-from worker.db import create_engine, session_factory
+from worker.context import session_factory
+from worker.db import create_engine
 from worker.middleware import NextStage
 from worker.pump import Pump
 from worker.registry import Context, Registry
 from worker.settings import Settings, load
+from worker.transaction import Stage
 from worker.verdict import Verdict
-from worker.work import Stage
 
 HOLD = 0.8  # seconds a handler may keep its transaction (and its marker) open
 FAIL = 0.12  # share of handler runs that fail after the marker went in

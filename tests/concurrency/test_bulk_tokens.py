@@ -26,7 +26,8 @@ from worker.concurrency import (
     guarded_update,
     save,
 )
-from worker.db import Failure, PumpSession, classify, create_engine, session_factory
+from worker.context import PumpSession, session_factory
+from worker.db import Failure, classify, create_engine
 from worker.errors import ConfigurationError, PreconditionFailed, RowDeleted
 from worker.registry import Context
 

@@ -38,7 +38,8 @@ from tests.support.pumps import MakeSettings, RunPumps
 from worker import claim_runner, cli, leases, retention, sweeper
 from worker.brokers.memory import MemoryBroker
 from worker.claims import ClaimContext, side_effect
-from worker.db import Failure, PumpSession, classify, create_engine, session_factory
+from worker.context import PumpSession, session_factory
+from worker.db import Failure, classify, create_engine
 from worker.errors import Poison
 from worker.logs import get_logger
 from worker.registry import Handler, Registry

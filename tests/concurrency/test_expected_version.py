@@ -195,7 +195,7 @@ async def test_a_rival_write_between_the_senders_read_and_the_update_is_caught(
     await seed(engine)
     from sqlalchemy.ext.asyncio import AsyncSession
 
-    from worker.db import session_factory
+    from worker.context import session_factory
     from worker.errors import PreconditionFailed
 
     async with engine.begin() as connection:

@@ -194,7 +194,7 @@ async def test_housekeeping_purges_periodically(
 ) -> None:
     """What ``worker run`` starts beside the ops server (cli._run), not inside the pump."""
     plain_table_only(str(engine.url))
-    from worker.db import session_factory
+    from worker.context import session_factory
     from worker.logs import get_logger
 
     await add_marker(engine, "old", age=2 * DAY)

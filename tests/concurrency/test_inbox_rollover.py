@@ -22,7 +22,8 @@ from tests.support.database import own_database
 from tests.support.processes import json_env, run_cli
 from tests.support.waiting import wait_for
 from worker import inbox, partitions, retention, rollover
-from worker.db import create_engine, is_inbox_violation, session_factory
+from worker.context import session_factory
+from worker.db import create_engine, is_inbox_violation
 from worker.logs import get_logger
 from worker.migrate import upgrade
 from worker.registry import Registry

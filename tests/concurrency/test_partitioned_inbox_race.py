@@ -92,8 +92,8 @@ def environment(url: str, replica: int) -> dict[str, str]:
         "WORKER_RETRY_BACKOFF_MAX": "0.05",
         "WORKER_LOG_LEVEL": "WARNING",
     }
-    if replica == REPLICAS - 1:
-        variables.update(WORKER_BATCH_SIZE="6", WORKER_BATCH_WAIT="0.01")
+    # one replica in groups of at most 6, the others one delivery at a time
+    variables.update(WORKER_BATCH_SIZE="6" if replica == REPLICAS - 1 else "1")
     return json_env(variables)
 
 

@@ -26,7 +26,8 @@ from tests.support.pumps import MakeSettings, RunPumps
 from worker import concurrency, rejections
 from worker.brokers.memory import MemoryBroker
 from worker.concurrency import Policy, RowChanged, save
-from worker.db import Failure, PumpSession, classify, session_factory
+from worker.context import PumpSession, session_factory
+from worker.db import Failure, classify
 from worker.errors import MergeConflict, RowDeleted
 from worker.registry import Context, Registry
 from worker.retry import backoff

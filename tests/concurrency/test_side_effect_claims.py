@@ -35,7 +35,8 @@ from tests.support.waiting import wait_for
 from worker import leases, sweeper
 from worker.brokers.memory import MemoryBroker
 from worker.claims import ClaimContext, side_effect
-from worker.db import create_engine, session_factory
+from worker.context import session_factory
+from worker.db import create_engine
 from worker.logs import get_logger
 from worker.registry import Context, Registry
 from worker.settings import Settings

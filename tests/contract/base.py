@@ -68,7 +68,7 @@ class Harness(abc.ABC):
         """Release what the harness holds; tests call it once at the end."""
 
 
-BATCH_MODE: dict[str, Any] = {"batch_size": 4, "batch_wait": 0.05}
+BATCH_MODE: dict[str, Any] = {"batch_size": 4}
 """The suite in batch mode: deliveries of one type share transactions, four at most."""
 
 

@@ -17,16 +17,17 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from handlers.credit import Account, CreditRequested, apply_credit
-from tests.support.pumps import MakeSettings, RunPumps, running_pump
+from tests.support.pumps import LEARNED, MakeSettings, RunPumps, learned, running_pump
 from tests.support.waiting import wait_for
 from worker.brokers.memory import MemoryBroker, MemoryConsumer
 from worker.delivery import Delivery
 from worker.errors import ConfigurationError, Poison, PreconditionFailed
 from worker.inbox import InboxMarker
+from worker.intake import Work
 from worker.middleware import NextWork
 from worker.registry import BatchContext, Context, Registry
 from worker.settings import Settings, load, unknown_variables
-from worker.work import Work
+from worker.verdict import Verdict
 
 ACCOUNTS = 40
 
@@ -83,7 +84,7 @@ def credit_registry(shape: str) -> Registry:
 async def test_two_batch_pumps_apply_every_credit_once(
     engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps, shape: str
 ) -> None:
-    settings = make_settings(batch_size=8, batch_wait=0.02, concurrency=3)
+    settings = make_settings(batch_size=8, concurrency=3)
     broker = MemoryBroker()
     expected: dict[str, Decimal] = defaultdict(Decimal)
     ids = []
@@ -111,7 +112,7 @@ async def test_two_batch_pumps_apply_every_credit_once(
     assert broker.dead_letters == []
     committed = sum(p.stats["committed"] for p in pumps)
     assert committed == 120
-    assert sum(p.stats["duplicates-in-batch"] + p.stats["duplicates-batch"] for p in pumps) > 0
+    assert sum(p.stats["duplicates-batch"] for p in pumps) > 0
     assert all(verb == "ack" for verb, _, _ in broker.history)
 
 
@@ -124,11 +125,11 @@ class KeySpans:
     def __init__(self) -> None:
         self.spans: list[tuple[frozenset[Any], float, float]] = []
 
-    async def __call__(self, work: Work, call_next: NextWork) -> None:
+    async def __call__(self, work: Work, call_next: NextWork) -> list[Verdict]:
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
-            await call_next(work)
+            return await call_next(work)
         finally:
             keys = frozenset(item.key for item in work.items)
             self.spans.append((keys, started, loop.time()))
@@ -171,7 +172,7 @@ async def test_keyed_handlers_batch_by_key_in_arrival_order_in_one_transaction(
     for n in range(keys * per_key):
         broker.publish(f"m-{n}", "Credit", body(f"acct-{n % keys}", "1.00"))
     spans = KeySpans()
-    settings = make_settings(batch_size=8, batch_wait=0.05, concurrency=3)
+    settings = make_settings(batch_size=8, concurrency=3)
     try:
         async with running_pump(
             broker.connect(), engine, registry, settings, middleware=[spans]
@@ -207,10 +208,10 @@ async def test_keyed_handlers_batch_by_key_in_arrival_order_in_one_transaction(
 async def test_a_deferred_message_takes_its_twin_along(
     engine: AsyncEngine, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
-    """A message deferred inside its batch (here: a rejection, recorded on its own after
-    the batch commits) runs again alone. A copy of it that arrived in the same batch (a
-    producer retry) is its twin and must go with it, to be acked as its duplicate: dropped
-    with the deferral, it stayed unsettled for good."""
+    """A message deferred inside its group (here: a rejection, recorded on its own after
+    the group commits) runs again alone. A copy of it that arrived with it (a producer
+    retry) never shares its group (intake keeps one id per group): it runs as its own unit
+    and must end acked as its duplicate, never unsettled."""
     registry = Registry()
 
     @registry.handler("Credit", CreditRequested, consumer="credit")
@@ -219,7 +220,7 @@ async def test_a_deferred_message_takes_its_twin_along(
             raise PreconditionFailed("account closed", subject=message.account_id)
         await apply_credit(ctx, message)
 
-    settings = make_settings(batch_size=8, batch_wait=0.2, concurrency=1)
+    settings = make_settings(batch_size=8, concurrency=1)
     broker = MemoryBroker()
     async with run_pumps([broker.connect()], [engine], registry, settings):
         broker.publish("m-open", "Credit", body("acct-1", "1.00"))
@@ -260,14 +261,16 @@ async def test_failures_inside_a_batch_stay_their_own(
             text("CREATE TABLE orders (id INTEGER PRIMARY KEY, number VARCHAR(20) UNIQUE)")
         )
         await connection.execute(text("INSERT INTO orders (id, number) VALUES (1, 'A-1')"))
-    settings = make_settings(batch_size=5, batch_wait=0.5, concurrency=1, max_deliveries=2)
+    settings = make_settings(batch_size=5, concurrency=1, max_deliveries=2)
     broker = MemoryBroker()
-    for n, account in enumerate(["ok-1", "poison", "fails", "order", "ok-2"]):
-        broker.publish(f"m-{account}", "Credit", body(account, f"{n + 1}.00"))
     sessions: list[Any] = []
     async with run_pumps([broker.connect()], [engine], failing_registry(sessions), settings) as [
         pump
     ]:
+        await learned(broker)
+        del sessions[:]
+        for n, account in enumerate(["ok-1", "poison", "fails", "order", "ok-2"]):
+            broker.publish(f"m-{account}", "Credit", body(account, f"{n + 1}.00"))
         await broker.wait_idle(20)
     # A shared pass stops at a failure: the first at poison (judged on that failure, not
     # run again), the second at fails; then the other four ran in savepoints of one
@@ -277,8 +280,12 @@ async def test_failures_inside_a_batch_stay_their_own(
     assert first is not second and second is not third and third is not first
     assert all(session is third for session in sessions[4:8])
     assert pump.stats["batch-isolated"] == 2
-    assert await balances(engine) == {"ok-1": Decimal("1.00"), "ok-2": Decimal("5.00")}
-    assert set(await marker_counts(engine)) == {"m-ok-1", "m-ok-2"}
+    assert await balances(engine) == {
+        "ok-1": Decimal("1.00"),
+        "ok-2": Decimal("5.00"),
+        LEARNED: Decimal(0),
+    }
+    assert set(await marker_counts(engine)) == {"m-ok-1", "m-ok-2", "learn-Credit"}
     assert history(broker, "m-ok-1") == [("ack", 1)]
     assert history(broker, "m-ok-2") == [("ack", 1)]
     assert history(broker, "m-poison") == [("dead-letter", 1)]
@@ -313,15 +320,16 @@ async def test_a_write_flushed_late_in_the_shared_pass_fails_its_own_message(
             raise RuntimeError("could not look the account up") from exc
         await apply_credit(ctx, message)
 
-    settings = make_settings(batch_size=2, batch_wait=0.5, concurrency=1, max_deliveries=1)
+    settings = make_settings(batch_size=2, concurrency=1, max_deliveries=1)
     broker = MemoryBroker()
-    broker.publish("m-taken", "Credit", body("taken", "5.00"))
-    broker.publish("m-free", "Credit", body("free", "1.00"))
     async with run_pumps([broker.connect()], [engine], registry, settings) as [pump]:
+        await learned(broker)
+        broker.publish("m-taken", "Credit", body("taken", "5.00"))
+        broker.publish("m-free", "Credit", body("free", "1.00"))
         await broker.wait_idle(20)
     assert history(broker, "m-free") == [("ack", 1)]  # not blamed for the other's write
     assert history(broker, "m-taken") == [("dead-letter", 1)]
-    assert await balances(engine) == {"taken": Decimal(0), "free": Decimal(1)}
+    assert await balances(engine) == {"taken": Decimal(0), "free": Decimal(1), LEARNED: 0}
     assert pump.stats["batch-isolated"] == 1
 
 
@@ -347,20 +355,22 @@ async def test_a_failing_batch_retries_then_falls_back_without_spending_counts(
                 text(f"DO $$ BEGIN RAISE EXCEPTION 'lost' USING ERRCODE = '{sqlstate}'; END $$")
             )
 
-    settings = make_settings(
-        database_url=postgres_only_url, batch_size=4, batch_wait=0.5, concurrency=1
-    )
+    settings = make_settings(database_url=postgres_only_url, batch_size=4, concurrency=1)
     broker = MemoryBroker()
-    for n in range(4):
-        broker.publish(f"m-{n}", "Credit", body(f"acct-{n % 2}", "1.00"))
     try:
         async with run_pumps([broker.connect()], [engine], registry, settings) as [pump]:
+            await learned(broker)
+            del calls[:]
+            for n in range(4):
+                broker.publish(f"m-{n}", "Credit", body(f"acct-{n % 2}", "1.00"))
             await broker.wait_idle(20)
         assert calls == [4, 4, 1, 1, 1, 1]  # the batch, its retry, then one at a time
         assert pump.stats["batch-retried"] == 1 and pump.stats["batch-fallback"] == 1
-        assert sorted(broker.history) == [("ack", f"m-{n}", 1) for n in range(4)]
-        assert await balances(engine) == {"acct-0": Decimal(2), "acct-1": Decimal(2)}
-        assert set(await marker_counts(engine)) == {f"m-{n}" for n in range(4)}
+        assert sorted(broker.history) == [("ack", "learn-Credit", 1)] + [
+            ("ack", f"m-{n}", 1) for n in range(4)
+        ]
+        assert await balances(engine) == {"acct-0": 2, "acct-1": 2, LEARNED: 0}
+        assert set(await marker_counts(engine)) == {"learn-Credit", *(f"m-{n}" for n in range(4))}
     finally:
         await engine.dispose()
 
@@ -387,17 +397,18 @@ async def test_a_savepoint_that_loses_a_deadlock_runs_again_on_its_own(
                 text("DO $$ BEGIN RAISE EXCEPTION 'deadlock' USING ERRCODE = '40P01'; END $$")
             )
 
-    settings = make_settings(
-        database_url=postgres_only_url, batch_size=4, batch_wait=0.5, concurrency=1
-    )
+    settings = make_settings(database_url=postgres_only_url, batch_size=4, concurrency=1)
     broker = MemoryBroker()
-    for n in range(4):
-        broker.publish(f"m-{n}", "Credit", body(f"acct-{n}", "1.00"))
     try:
         async with run_pumps([broker.connect()], [engine], registry, settings) as [pump]:
+            await learned(broker)
+            for n in range(4):
+                broker.publish(f"m-{n}", "Credit", body(f"acct-{n}", "1.00"))
             await broker.wait_idle(20)
-        assert sorted(broker.history) == [("ack", f"m-{n}", 1) for n in range(4)]
-        assert await balances(engine) == {f"acct-{n}": Decimal(1) for n in range(4)}
+        assert sorted(broker.history) == [("ack", "learn-Credit", 1)] + [
+            ("ack", f"m-{n}", 1) for n in range(4)
+        ]
+        assert await balances(engine) == {LEARNED: 0, **{f"acct-{n}": 1 for n in range(4)}}
         shared, savepoints, alone = sessions["m-2"]  # and once more on its own
         assert sessions["m-0"] == [shared, savepoints] and shared is not savepoints
         assert alone is not savepoints and alone is not shared
@@ -425,7 +436,7 @@ def test_a_batch_handler_cannot_be_a_side_effect_or_keyed() -> None:
 
 @pytest.mark.parametrize(
     ("variable", "value"),
-    [("WORKER_BATCH_SIZE", "0"), ("WORKER_BATCH_SIZE", "many"), ("WORKER_BATCH_WAIT", "-1")],
+    [("WORKER_BATCH_SIZE", "0"), ("WORKER_BATCH_SIZE", "many"), ("WORKER_BATCH_SIZE", "1001")],
 )
 def test_bad_batch_settings_are_one_line_naming_the_variable(
     monkeypatch: pytest.MonkeyPatch, variable: str, value: str
@@ -439,12 +450,14 @@ def test_bad_batch_settings_are_one_line_naming_the_variable(
 
 def test_batch_settings_are_known_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WORKER_BATCH_SIZE", "64")
-    monkeypatch.setenv("WORKER_BATCH_WAIT", "0.01")
     settings = load(Settings, check=False)
-    assert (settings.batch_size, settings.batch_wait) == (64, 0.01)
-    assert unknown_variables(Settings, {"WORKER_BATCH_SIZE": "64", "WORKER_BATCH_WAIT": "1"}) == []
+    assert settings.batch_size == 64
+    assert unknown_variables(Settings, {"WORKER_BATCH_SIZE": "64"}) == []
+    # a group never waits for company: there is nothing to wait for, so nothing to set
+    [unknown] = unknown_variables(Settings, {"WORKER_BATCH_WAIT": "1"})
+    assert unknown.startswith("WORKER_BATCH_WAIT")
     monkeypatch.delenv("WORKER_BATCH_SIZE")
-    assert Settings().batch_size == 1  # off unless asked for
+    assert Settings().batch_size == 32  # group commit by default; 1 turns it off
 
 
 async def test_a_batch_handler_outside_batch_mode_gets_one_message(
@@ -460,7 +473,7 @@ async def test_a_batch_handler_outside_batch_mode_gets_one_message(
         await upsert_credits(ctx, messages)
 
     broker = MemoryBroker()
-    async with run_pumps([broker.connect()], [engine], registry, make_settings()):
+    async with run_pumps([broker.connect()], [engine], registry, make_settings(batch_size=1)):
         for n in range(3):
             broker.publish(f"m-{n}", "Credit", body("a", "1"))
         await broker.wait_idle(10)
@@ -468,17 +481,32 @@ async def test_a_batch_handler_outside_batch_mode_gets_one_message(
     assert await balances(engine) == {"a": Decimal(3)}
 
 
-async def test_batch_mode_prefetch_fills_every_worker(make_settings: MakeSettings) -> None:
+async def test_the_prefetch_holds_two_groups_and_a_delivery_per_worker(
+    make_settings: MakeSettings,
+) -> None:
+    """Two full groups (one running, one filling) at least; a delivery per worker, three
+    when keys serialize; no more, so what one replica holds another could run."""
     from worker.db import create_engine
     from worker.pump import Pump
 
     engine = create_engine("sqlite+aiosqlite:///unused.db")
+    keyed = Registry()
+    keyed.handler("Credit", CreditRequested, consumer="credit", key=lambda m: m.account_id)(
+        apply_credit
+    )
+
+    def prefetch(registry: Registry, **values: Any) -> int:
+        settings = make_settings(**values)
+        return Pump(MemoryBroker().connect(), engine, registry, settings).prefetch
+
     try:
-        registry = credit_registry("orm")
-        settings = make_settings(concurrency=64, batch_size=64)
-        assert Pump(MemoryBroker().connect(), engine, registry, settings).prefetch == 65 * 64
-        off = make_settings(concurrency=64)
-        assert Pump(MemoryBroker().connect(), engine, registry, off).prefetch == 64
+        plain = credit_registry("orm")
+        assert prefetch(plain, concurrency=64, batch_size=64) == 2 * 64
+        assert prefetch(plain, concurrency=16, batch_size=32) == 2 * 32  # the defaults
+        assert prefetch(plain, concurrency=64, batch_size=1) == 64
+        assert prefetch(keyed, concurrency=64, batch_size=32) == 3 * 64
+        assert prefetch(keyed, concurrency=16, batch_size=1) == 3 * 16
+        assert prefetch(keyed, concurrency=1024, batch_size=1000) == 3 * 1024  # the most
     finally:
         await engine.dispose()
 
@@ -489,6 +517,8 @@ async def test_batch_mode_prefetch_fills_every_worker(make_settings: MakeSetting
 class PartitionedConsumer(MemoryConsumer):
     """Deliveries grouped by a ``p`` header (a Kafka partition), each storing its "offset"
     in the handler's transaction, as the Kafka adapter does."""
+
+    writes_in_commit = True
 
     def __init__(self, broker: MemoryBroker, stored: list[str]) -> None:
         super().__init__(broker)
@@ -525,15 +555,15 @@ async def test_a_batch_keeps_to_one_group_in_receive_order_and_stores_each_commi
         account = "bad" if n == 7 else "a"
         broker.publish(f"m-{n}", "Credit", body(account, "1"), {"p": n % 2})
     broker.publish("m-0", "Credit", body("a", "1"), {"p": 0})  # a duplicate: stores nothing
-    settings = make_settings(batch_size=4, batch_wait=0.2, concurrency=1, max_deliveries=1)
+    settings = make_settings(batch_size=4, concurrency=1, max_deliveries=1)
     consumer = PartitionedConsumer(broker, stored)
     broker.consumers.append(consumer)
     async with run_pumps([consumer], [engine], registry, settings):
         await broker.wait_idle(20)
-    for batch in batches:
-        assert len({p for p, _ in batch}) == 1  # never two groups in one transaction
-        ids = [int(m.split("-")[1]) for _, m in batch]
-        assert ids == sorted(ids)  # receive order
+    for batch in batches:  # groups share a transaction; each group's records in order
+        for group in {p for p, _ in batch}:
+            ids = [int(m.split("-")[1]) for p, m in batch if p == group]
+            assert ids == sorted(ids)  # receive order
     assert sorted(stored, key=lambda m: int(m.split("-")[1])) == [
         f"m-{n}" for n in range(12) if n != 7
     ]  # each committed delivery's hook ran in its commit, once; the failed one's did not
@@ -561,7 +591,7 @@ async def test_keyed_batches_keep_each_group_in_receive_order(
     total = 48
     for n in range(total):  # keys k0, k2, k4 in group 0; k1, k3, k5 in group 1
         broker.publish(f"m-{n}", "Credit", body(f"k{n % 6}", "1"), {"p": n % 2})
-    settings = make_settings(batch_size=4, batch_wait=0.02, concurrency=2)
+    settings = make_settings(batch_size=4, concurrency=2)
     consumer = PartitionedConsumer(broker, stored)
     broker.consumers.append(consumer)
     async with run_pumps([consumer], [engine], registry, settings):
@@ -593,7 +623,7 @@ async def test_what_batch_mode_leaves_to_the_per_message_path(
     crashed.crash()  # died holding it: it comes back a suspect
     for n in range(4):
         broker.publish(f"m-{n}", "Credit", body("a", "1"))
-    settings = make_settings(batch_size=8, batch_wait=0.2, concurrency=2)
+    settings = make_settings(batch_size=8, concurrency=2)
     async with run_pumps([broker.connect()], [engine], registry, settings):
         await broker.wait_idle(20)
     assert ["suspect"] in calls  # alone
@@ -625,7 +655,7 @@ async def test_one_group_runs_one_batch_at_a_time_in_order_while_groups_overlap(
     stored: list[str] = []
     for n in range(40):
         broker.publish(f"m-{n}", "Credit", body("a" if n % 2 else "b", "1"), {"p": n % 2})
-    settings = make_settings(batch_size=3, batch_wait=0.01, concurrency=4)
+    settings = make_settings(batch_size=3, concurrency=4)
     consumer = PartitionedConsumer(broker, stored)
     broker.consumers.append(consumer)
     async with run_pumps([consumer], [engine], registry, settings):
@@ -646,14 +676,14 @@ async def test_one_group_runs_one_batch_at_a_time_in_order_while_groups_overlap(
 async def test_a_row_held_elsewhere_sends_its_message_around_not_the_batch_waiting(
     postgres_only_url: str, make_settings: MakeSettings, run_pumps: RunPumps
 ) -> None:
-    """Batches that wait on each other's rows deadlock; a savepoint waits 50 ms at most."""
+    """Batches that wait on each other's rows deadlock; a savepoint waits 50 ms at most.
+    The group commits the others while the row is still held, and runs the held one on
+    its own after its commit; the group is settled when that one is done."""
     from worker.db import create_engine
 
     engine = create_engine(postgres_only_url, pool_size=6)
     registry = credit_registry("orm")
-    settings = make_settings(
-        database_url=postgres_only_url, batch_size=3, batch_wait=0.5, concurrency=1
-    )
+    settings = make_settings(database_url=postgres_only_url, batch_size=3, concurrency=1)
     broker = MemoryBroker()
     async with engine.begin() as connection:
         await connection.execute(text("INSERT INTO accounts VALUES ('held', 0, 1)"))
@@ -663,20 +693,25 @@ async def test_a_row_held_elsewhere_sends_its_message_around_not_the_batch_waiti
             await holder.execute(
                 text("UPDATE accounts SET balance = 100, version = 2 WHERE id = 'held'")
             )
-            for n, account in enumerate(["free-1", "held", "free-2"]):
-                broker.publish(f"m-{n}", "Credit", body(account, "1"))
             async with run_pumps([broker.connect()], [engine], registry, settings) as [pump]:
+                await learned(broker)
+                for n, account in enumerate(["free-1", "held", "free-2"]):
+                    broker.publish(f"m-{n}", "Credit", body(account, "1"))
                 # the free ones commit while the row is still held: nobody waited on it
-                await wait_for(lambda: pump.stats["committed"] >= 2, 10, "the free credits")
-                assert [mid for verb, mid, _ in broker.history] == ["m-0", "m-2"]
+                await wait_for(lambda: pump.stats["committed"] >= 3, 10, "the free credits")
+                assert sorted(await marker_counts(engine)) == ["learn-Credit", "m-0", "m-2"]
+                assert len(broker.history) == 1  # settled with the group, after the held one
                 await transaction.commit()  # the held row is free: its message runs alone
                 await broker.wait_idle(10)
         assert pump.stats["batch-deferred"] == 1 and pump.stats["batch-fallback"] == 0
-        assert sorted(broker.history) == [("ack", f"m-{n}", 1) for n in range(3)]
+        assert sorted(broker.history) == [("ack", "learn-Credit", 1)] + [
+            ("ack", f"m-{n}", 1) for n in range(3)
+        ]
         assert await balances(engine) == {
             "free-1": Decimal(1),
             "free-2": Decimal(1),
             "held": Decimal(101),
+            LEARNED: Decimal(0),
         }
     finally:
         await engine.dispose()

@@ -18,6 +18,9 @@ SETTLED_AS = {"ack": "acked", "nack": "nacked", "dead_letter": "dead-lettered"}
 class RecordingSettler:
     """Records every call that reaches the broker; optionally fails them."""
 
+    watches = False
+    writes_in_commit = False
+
     def __init__(self, fail: BaseException | None = None) -> None:
         self.calls: list[tuple[Any, ...]] = []
         self.fail = fail

@@ -35,7 +35,7 @@ from worker.db import Failure, classify, create_engine
 from worker.judge import Judge
 from worker.registry import Registry
 from worker.settings import Settings
-from worker.verdict import PAUSED
+from worker.verdict import PAUSED, Verdict
 
 
 def verbs(broker: MemoryBroker, message_id: str) -> list[str]:
@@ -177,9 +177,10 @@ def test_out_of_resources_is_the_environments_fault_never_a_counted_attempt() ->
 
     error = DBAPIError("INSERT ...", {}, DiskFull("could not extend file: No space left"))
     assert classify(error) is Failure.RESOURCES and Failure.RESOURCES.environment
-    judge = Judge(Settings(), _Log(), _counter())
+    judge = Judge(Settings(), _Log(), _counter(), None, None)  # type: ignore[arg-type]
     verdict = judge.decide(_delivery(), "credit", 1, error, Failure.RESOURCES, deadline=0.0)
-    assert verdict == PAUSED and not PAUSED.counted and PAUSED.environment
+    assert isinstance(verdict, Verdict)
+    assert verdict.outcome is PAUSED.outcome and not verdict.counted
 
 
 async def test_a_full_sqlite_file_pauses_instead_of_dead_lettering(

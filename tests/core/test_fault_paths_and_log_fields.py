@@ -22,7 +22,7 @@ from tests.support.processes import free_port
 from tests.support.pumps import MakeSettings, RunPumps
 from tests.support.waiting import wait_for
 from worker.brokers.memory import MemoryBroker, MemoryConsumer
-from worker.delivery import Delivery
+from worker.delivery import Delivery, ack_each
 from worker.errors import AlreadySettled, Poison
 from worker.inbox import InboxMarker
 from worker.registry import Context, Registry
@@ -58,6 +58,8 @@ class Faulty:
 
     name = "faulty"
     destination = "faulty"
+    watches = True  # its keep_alive has a bug to meet
+    writes_in_commit = False
 
     def __init__(self, inner: MemoryConsumer, **faults: set[str]) -> None:
         self.inner = inner
@@ -114,9 +116,7 @@ class Faulty:
         await handle.dead_letter(reason)
 
     async def ack_many(self, handles: Sequence[Delivery]) -> list[Delivery]:
-        for handle in handles:
-            await self.ack(handle)
-        return []
+        return await ack_each(self.ack, handles)  # as the adapters that ack one at a time
 
     def keep_alive(self, handle: Delivery, seconds: float) -> None:
         if self._has("keep_alive_fails", handle):

@@ -26,7 +26,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from tests.support.database import own_database
 from tests.support.layout import INBOX_LAYOUT
 from worker import inbox, leases, partitions, retention, rollover
-from worker.db import Failure, classify, create_engine, is_inbox_violation, session_factory
+from worker.context import session_factory
+from worker.db import Failure, classify, create_engine, is_inbox_violation
 from worker.leases import Claim, Held
 from worker.migrate import upgrade
 

@@ -19,7 +19,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from tests.support.database import fetch, own_database, scalar
 from worker import inbox, leases
-from worker.db import Failure, classify, create_engine, session_factory
+from worker.context import session_factory
+from worker.db import Failure, classify, create_engine
 from worker.leases import Claim, Held
 from worker.migrate import upgrade
 

@@ -27,6 +27,8 @@ class SwallowsOneCancel:
 
     name = "memory"
     destination = "memory"
+    watches = False
+    writes_in_commit = False
 
     def __init__(self, inner: MemoryConsumer) -> None:
         self.inner = inner

@@ -88,7 +88,7 @@ async def drain(bootstrap: str, url: str, mode: dict[str, Any], records: int, pa
         bootstrap, topic, commit_interval=0.5, offsets=mode.get("offsets", "broker")
     )
     core = {k: v for k, v in mode.items() if k in _CORE}
-    settings = Settings(database_url=url, concurrency=CONCURRENCY, batch_wait=0.002, **core)
+    settings = Settings(database_url=url, concurrency=CONCURRENCY, **core)
     engine = create_engine(url, pool_size=CONCURRENCY + 2)
     pump = Pump(KafkaConsumer(settings, kafka), engine, registry(), settings)
     task = asyncio.create_task(pump.run())

@@ -274,6 +274,7 @@ def stats(worker: WorkerProcess) -> dict[str, Any]:
 
 def transport_settings(**overrides: Any) -> Settings:
     """Settings for a test of the Kafka transport alone: delivery counts from the adapter
-    (no database behind the consumer), unless the test asks otherwise."""
-    values: dict[str, Any] = {"delivery_counts": "broker", **overrides}
+    (no database behind the consumer), and one record of a partition out at a time (the
+    adapter's flow without groups), unless the test asks otherwise."""
+    values: dict[str, Any] = {"delivery_counts": "broker", "batch_size": 1, **overrides}
     return Settings(**values)

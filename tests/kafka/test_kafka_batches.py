@@ -42,9 +42,7 @@ async def test_commits_stay_contiguous_when_a_batch_fails_in_the_middle(
     kafka = kafka_settings(topic, offsets=offsets, commit_interval=0.05, redelivery_delay=0.3)
     tags = ["s0", "s1", "bad", "s3", "s4", "s5"]
     await produce(kafka.bootstrap_servers, topic, [step(tag) for tag in tags])
-    settings = Settings(
-        database_url=url, batch_size=4, batch_wait=0.5, concurrency=2, retry_backoff=0.001
-    )
+    settings = Settings(database_url=url, batch_size=4, concurrency=2, retry_backoff=0.001)
     runs: list[tuple[str, float]] = []
     batches: list[tuple[int, Hashable]] = []
     registry = Registry()

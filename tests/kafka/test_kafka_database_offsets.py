@@ -20,7 +20,8 @@ from tests.support.database import execute, fetch, marker_count, scalar
 from tests.support.waiting import wait_for
 from worker import inbox
 from worker.brokers.kafka import KafkaConsumer, KafkaSettings, load_kafka_settings
-from worker.db import create_engine, session_factory
+from worker.context import session_factory
+from worker.db import create_engine
 from worker.delivery import in_commit
 from worker.errors import ConfigurationError, SettlementLost
 from worker.pump import Pump

@@ -118,11 +118,11 @@ async def test_not_ready_while_the_database_is_down(run_pump: RunPump) -> None:
         server = OpsServer(pump, port=0)
         await server.start()
         try:
-            pump.health._open.clear()  # what a detected outage does
+            pump.health.gate.clear()  # what a detected outage does
             status, _, text = await get(server.port, READYZ)
             assert status == 503
             assert json.loads(text)["database"] is False
-            pump.health._open.set()
+            pump.health.gate.set()
             assert (await get(server.port, READYZ))[0] == 200
         finally:
             await server.stop()

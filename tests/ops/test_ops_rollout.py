@@ -206,7 +206,8 @@ def test_sigterm_with_rabbitmq(database: str, rabbitmq_vhost: str) -> None:
     assert published.returncode == 0, published.stderr
 
     stopped = assert_graceful(roll(database, env, port))
-    assert stopped.get("nack", 0) == 0
+    # only what never started went back (the prefetch beyond the workers), uncounted
+    assert stopped.get("nack", 0) <= total - CONCURRENCY
 
     # nothing was lost: what was not processed is still queued, ready for the next pod
     # (a quorum queue's counters trail its acks by a moment: poll, bounded)

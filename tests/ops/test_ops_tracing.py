@@ -22,10 +22,10 @@ from worker import tracing
 from worker.brokers.memory import MemoryBroker
 from worker.db import create_engine
 from worker.errors import ConfigurationError
+from worker.intake import Item, Work
 from worker.registry import Registry
 from worker.settings import Settings
 from worker.tracing import GETTER, Tracing, Transactions
-from worker.work import Item, Work
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -206,12 +206,15 @@ async def test_a_cancelled_delivery_ends_its_span(
         type = "T"
         headers: dict[str, str] = {}
         delivery_count = 2
+        group = None
         settled = None
 
-    async def hang(_work: Any) -> None:
+    async def hang(_work: Any) -> list[Any]:
         await asyncio.sleep(30)
+        return []
 
-    task = asyncio.create_task(traced(Work([Item(FakeDelivery(), {})]), hang))  # type: ignore[arg-type]
+    item = Item(FakeDelivery(), "c-1", (), {}, None, 1, True, True)  # type: ignore[arg-type]
+    task = asyncio.create_task(traced(Work([item], ()), hang))
     await asyncio.sleep(0.01)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

@@ -7,8 +7,10 @@ breaks, and what ``?pooler=transaction`` on WORKER_DATABASE_URL does about it:
   client's transaction on the same server connection then meets "prepared statement
   ... already exists", or its own statement "does not exist" on the next server
   connection. PgBouncer 1.21+ can track them (``max_prepared_statements``); 1.18 cannot.
-  With the option, statements are unnamed, uncached and always inside a transaction
-  (the delivery counts' autocommitted upsert becomes a short transaction).
+  With the option, statements are unnamed and uncached. One outside a transaction (the
+  delivery counts' autocommitted upsert) keeps its server connection from its prepare
+  to its execute: asyncpg's prepare ends in Flush, and PgBouncer moves a client only at
+  an idle ReadyForQuery.
 - Session advisory locks (``worker migrate``, the inbox purge) would stay held on a
   server connection the unlock never reaches: those refuse such a URL and say which URL
   they need; the migration gate (``migrate --wait``) only reads and works through it.
@@ -19,6 +21,7 @@ really change hands between transactions.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -30,13 +33,16 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
+from sqlalchemy.exc import DBAPIError
 
 from tests.support.credits import credit_body, credit_registry
-from tests.support.database import balances, marker_count
+from tests.support.database import balances, execute, fetch, marker_count
 from tests.support.processes import clean_env, free_port, run_cli
 from tests.support.pumps import MakeSettings, RunPumps, engine_for
 from tests.support.services import require_service, unavailable
+from worker import attempts
 from worker.brokers.memory import MemoryBroker
+from worker.delivery import Delivery
 
 pytestmark = pytest.mark.postgres
 
@@ -102,6 +108,7 @@ def through(url: str, port: int, pooler: str | None = "transaction") -> str:
 
 
 HOT_ACCOUNTS = 7
+ROUNDS = 200
 
 
 async def test_two_pumps_behind_transaction_pooling_apply_every_credit_once(
@@ -163,3 +170,57 @@ def test_what_holds_a_session_lock_refuses_a_transaction_pooled_url(
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert "pooler=transaction" in lines[0] and "direct or session-pooled URL" in lines[0]
+
+
+async def test_autocommitted_counts_and_refunds_each_run_their_own_statement(
+    pgbouncer: int, postgres_only_url: str, make_settings: MakeSettings
+) -> None:
+    """A statement the worker runs outside a transaction (a delivery count, its refund)
+    takes two round trips: asyncpg prepares it, then binds and executes it. Were PgBouncer
+    to give the execute another server connection, the unnamed statement would be missing
+    there ("does not exist"), or be another client's, run with this one's parameters.
+
+    It does not: asyncpg ends the prepare with Flush, not Sync, so no ReadyForQuery comes
+    back between the two and PgBouncer, which only hands a server connection on at an idle
+    ReadyForQuery, keeps it with the client until the execute's Sync. The control shows
+    this PgBouncer does move clients between two round trips that each end in
+    ReadyForQuery (SQL ``PREPARE``, then ``EXECUTE``): then statements go missing."""
+    await execute(
+        postgres_only_url,
+        "INSERT INTO delivery_counts (message_id, consumer, deliveries) "
+        f"SELECT 'r-' || n, 'c', 5 FROM generate_series(0, {ROUNDS - 1}) AS n",
+    )
+    url = through(postgres_only_url, pgbouncer)
+    settings = make_settings(database_url=url, count_first_deliveries=True)
+    consumer = MemoryBroker().connect()
+
+    def delivery(message_id: str) -> Delivery:
+        return Delivery(message_id, "T", b"{}", {}, 1, consumer, None)
+
+    async with engine_for(url, pool_size=16) as engine:
+
+        async def count_and_refund(n: int) -> bool:
+            counted = attempts.count(engine, delivery(f"c-{n}"), "c", settings)
+            refunded = attempts.refund(engine, delivery(f"r-{n}"), "c")
+            stored, _ = await asyncio.gather(counted, refunded)
+            return stored
+
+        async def prepare_then_execute(n: int) -> bool:
+            async with engine.connect() as connection:
+                autocommit = await connection.execution_options(isolation_level="AUTOCOMMIT")
+                await autocommit.exec_driver_sql(f"PREPARE control_{n} AS SELECT 1")
+                try:
+                    await autocommit.exec_driver_sql(f"EXECUTE control_{n}")
+                except DBAPIError:
+                    return False
+                return True
+
+        stored = await asyncio.gather(*(count_and_refund(n) for n in range(ROUNDS)))
+        control = await asyncio.gather(*(prepare_then_execute(n) for n in range(ROUNDS)))
+    assert control.count(False) > 0, "the control never changed server connections"
+    assert all(stored), f"{stored.count(False)} of {ROUNDS} counts not stored"
+    rows = await fetch(postgres_only_url, "SELECT message_id, deliveries FROM delivery_counts")
+    assert dict(rows) == {
+        **{f"c-{n}": 1 for n in range(ROUNDS)},
+        **{f"r-{n}": 4 for n in range(ROUNDS)},
+    }

@@ -85,7 +85,7 @@ async def publish_rows(
     """``ctx.publish`` each (type, body, key, destination) as one handler would, and commit."""
     from sqlalchemy.ext.asyncio import AsyncSession
 
-    from worker.db import session_factory
+    from worker.context import session_factory
     from worker.registry import Context
 
     session = session_factory(engine)()

@@ -40,15 +40,16 @@ async def upsert_credits(ctx: BatchContext, messages: Sequence[CreditRequested])
 
 HOLD = os.environ.get("WORKER_TEST_HOLD_ACKS", "")
 if HOLD:
+    from worker.intake import Work
     from worker.settle import Settlement
-    from worker.work import Work
+    from worker.verdict import Verdict
 
     settle = Settlement.work
 
-    async def held(self: Settlement, work: Work) -> None:
-        if work.batch:
-            get_logger().info("batch committed, acks held", size=len(work.items))
-            await asyncio.sleep(float(HOLD))
-        await settle(self, work)
+    async def held(self: Settlement, work: Work, verdicts: list[Verdict]) -> None:
+        # every unit of work (a type's first runs alone, the next ones share groups)
+        get_logger().info("batch committed, acks held", size=len(work.items))
+        await asyncio.sleep(float(HOLD))
+        await settle(self, work, verdicts)
 
     Settlement.work = held  # type: ignore[method-assign]

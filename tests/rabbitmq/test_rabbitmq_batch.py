@@ -95,7 +95,7 @@ async def test_a_batch_pump_acks_in_ranges_and_redelivers_the_failure(
 
     registry, seen = credit_registry(fail_once)
     await publish(rabbit, [credit(f"b-{n}", f"acct-{n % 4}", "1.00") for n in range(40)])
-    async with running(rabbit, pg, registry, batch_size=8, batch_wait=0.05, concurrency=1) as pump:
+    async with running(rabbit, pg, registry, batch_size=8, concurrency=1) as pump:
         await wait_for(lambda: pump.stats["ack"] >= 40, 20, "40 acks")
         broker = pump.broker
         assert isinstance(broker, RabbitMQConsumer)

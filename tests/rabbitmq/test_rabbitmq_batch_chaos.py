@@ -66,7 +66,7 @@ async def test_batch_mode_under_kills_and_duplicates_comes_out_exact(
     messages, expected = stream(seed)
     env = rabbit_env(
         rabbit, pg, WORKER_HANDLERS="tests.rabbitmq.batch_crash_handlers",
-        WORKER_CONCURRENCY="4", WORKER_BATCH_SIZE="16", WORKER_BATCH_WAIT="0.02",
+        WORKER_CONCURRENCY="4", WORKER_BATCH_SIZE="16",
         WORKER_DB_POOL_SIZE="8", WORKER_DB_MAX_OVERFLOW="0", WORKER_GRACE_PERIOD="5",
         WORKER_MAX_DELIVERIES="20",
     )  # fmt: skip

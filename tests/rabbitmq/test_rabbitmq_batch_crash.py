@@ -34,7 +34,7 @@ async def test_a_kill_between_batch_commit_and_acks_leaves_only_duplicates(
     await publish(rabbit, stream)
     env = rabbit_env(
         rabbit, pg, WORKER_HANDLERS="tests.rabbitmq.batch_crash_handlers",
-        WORKER_CONCURRENCY="8", WORKER_BATCH_SIZE="16", WORKER_BATCH_WAIT="0.5",
+        WORKER_CONCURRENCY="8", WORKER_BATCH_SIZE="16",
         WORKER_GRACE_PERIOD="5",
     )  # fmt: skip
     doomed = WorkerProcess({**env, "WORKER_TEST_HOLD_ACKS": "60"}, tmp_path / "doomed.log")

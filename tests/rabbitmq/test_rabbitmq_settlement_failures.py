@@ -135,14 +135,14 @@ async def test_a_failed_copy_holds_the_original_and_tries_again_with_backoff(
             policies.append(f"{rabbit.queue}-refuse")
             await _refuse_publishes(rabbit, rabbitmq_vhost, [target], policies[-1])
         else:
-            real = broker._publish
+            real = broker._give_backs.publish
             calls = {"n": 0}
 
             async def late_then_real(*args: Any) -> None:
                 calls["n"] += 1
                 await (_never_confirmed(*args) if calls["n"] <= 2 else real(*args))
 
-            monkeypatch.setattr(broker, "_publish", late_then_real)
+            monkeypatch.setattr(broker._give_backs, "publish", late_then_real)
         settling = asyncio.create_task(settle(delivery))
         if case == "confirm-refused":
             await asyncio.sleep(2.5)
@@ -161,18 +161,24 @@ async def test_a_failed_copy_holds_the_original_and_tries_again_with_backoff(
     assert (await depths(rabbit, rabbit.queue))[rabbit.queue] == 0
 
 
+@pytest.mark.parametrize("retry_delays", [[0.5], []], ids=["delay-queue", "no-delay-queues"])
 async def test_a_dead_letter_the_broker_keeps_refusing_is_parked_and_never_lost(
     rabbit_settings: MakeRabbitSettings,
     rabbitmq_vhost: str,
     policies: list[str],
     pg: str,
+    retry_delays: list[float],
 ) -> None:
     """The dead-letter queue is full (reject-publish) and the work queue has a
     delivery-limit policy of 1, as the docs recommend a backstop (RabbitMQ 4.x sets one
     by default): a requeue would let the broker dead-letter the message itself into the
     full queue. Held, then parked in the longest delay queue, it is never requeued, and
-    reaches the dead-letter queue once that has room again."""
-    rabbit = rabbit_settings(retry_delays=[0.5], copy_hold=1.0)
+    reaches the dead-letter queue once that has room again.
+
+    Without delay queues (``WORKER_RABBITMQ_RETRY_DELAYS=[]``) it is parked in the work
+    queue itself. It was not: an AssertionError left the delivery unacked on its live
+    channel, where nothing would ever return it, logged "broker will redeliver"."""
+    rabbit = rabbit_settings(retry_delays=retry_delays, copy_hold=1.0)
     limit = f"{rabbit.queue}-limit"
     await arabbitmqctl(
         "set_policy", "-p", rabbitmq_vhost, "--apply-to", "queues", limit,
@@ -198,10 +204,38 @@ async def test_a_dead_letter_the_broker_keeps_refusing_is_parked_and_never_lost(
             return (await depths(rabbit, rabbit.dead_letter_queue))[rabbit.dead_letter_queue] > 0
 
         await wait_for(dead_lettered, 20, "the dead letter, once there is room")
+        assert pump.stats["settlement-failed"] == 0
     (letter,) = await take_dead_letters(rabbit)
     assert letter.message_id == "u1"
     assert "RefundRequested" in dead_letter_reason(letter)
     assert set((await all_depths(rabbit)).values()) == {0}
+
+
+async def test_a_fault_of_the_workers_own_in_a_copy_gives_the_original_back(
+    rabbit_settings: MakeRabbitSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not the broker refusing but the worker failing (a bug) while it copies: the
+    settlement fails, and the pump logs "broker will redeliver". So the original must not
+    stay unacked on its live channel, where RabbitMQ would never redeliver it."""
+    rabbit = rabbit_settings()
+    broker = make_broker(rabbit)
+    await broker.start(prefetch=1)  # one slot: a held original would block everything
+    try:
+        await publish(rabbit, [credit("m1", "a", "1")])
+        delivery = await asyncio.wait_for(broker.receive(), 10)
+
+        async def bug(*_: Any) -> None:
+            raise ValueError("a bug in the copy")
+
+        monkeypatch.setattr(broker._give_backs, "publish", bug)
+        with pytest.raises(ValueError, match="a bug in the copy"):
+            await delivery.dead_letter("failed 5 deliveries")
+        again = await asyncio.wait_for(broker.receive(), 10)  # redelivered, channel alive
+        assert again.message_id == "m1"
+        assert broker.stats["requeued_after_failed_copy"] == 1
+        assert broker.stats["connection_lost"] == 0
+    finally:
+        await broker.close()
 
 
 async def test_a_pump_with_one_slot_keeps_consuming_when_a_copy_fails(

@@ -107,3 +107,17 @@ async def engine_for(url: str, pool_size: int | None = None) -> AsyncIterator[As
         yield engine
     finally:
         await engine.dispose()
+
+
+LEARNED = "learned"
+"""The account of :func:`learned`'s credit: a balance of 0 that tests expect beside theirs."""
+
+
+async def learned(broker: MemoryBroker, message_type: str = "Credit") -> None:
+    """One credit of 0 to the account ``learned`` through the running pump(s), and wait
+    for it: a type's first unit of work runs alone, before anything says how long its
+    deliveries take (worker/intake.py, _GROUP_TIME), so a test that expects the next
+    deliveries of the type to share a group teaches the pump that first."""
+    body = b'{"account_id": "%s", "amount": "0.00"}' % LEARNED.encode()
+    broker.publish(f"learn-{message_type}", message_type, body)
+    await broker.wait_idle(10)

@@ -21,7 +21,7 @@ body), whose ``source`` + ``id`` key it as on every broker, and whose type and d
 the delivery's, so tests and ``worker publish`` can send what a real producer sends.
 
 Deliveries are pushed to consumers round-robin, at most ``prefetch`` unsettled each.
-``ack_many`` (batch mode) acks several in one call, each recorded as its own ack.
+``ack_many`` (a group's acks) acks several in one call, each recorded as its own ack.
 :class:`MemoryPublisher` is the outbox relay's way in, inside ``worker run``.
 """
 
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from worker.brokers import IdentityFunc, load_identity
 from worker.brokers.cloudevents import Contents, Event, contents, structured
 from worker.brokers.outgoing import Outgoing
-from worker.delivery import Delivery, ack_each
+from worker.delivery import Delivery, Settler, ack_each
 from worker.errors import ConfigurationError, SettlementLost
 
 if TYPE_CHECKING:
@@ -76,19 +76,23 @@ class _Flight:
         self.consumer = consumer
         self.live = True
         self.timer: asyncio.TimerHandle | None = None
-        binary = Contents(message.type, message.body, message.headers)
-        read = contents(structured_event(message), binary, "ce-")
+        kind, body = message.type, message.body
+        headers: Mapping[str, Any] = message.headers
+        refusal = None
+        if headers:  # a structured CloudEvent says so in its content-type header
+            read = contents(structured_event(message), Contents(kind, body, headers), "ce-")
+            kind, body, headers, refusal = read.type, read.body, read.headers, read.refusal
         self.delivery = Delivery(
             consumer.broker.identity(message),
-            read.type,
-            read.body,
-            read.headers,
+            kind,
+            body,
+            headers,
             message.delivery_count,
             consumer,
             self,
             suspect=message.returned,
             give_backs=message.give_backs,
-            refusal=read.refusal,
+            refusal=refusal,
         )
 
 
@@ -104,7 +108,7 @@ def structured_event(message: MemoryMessage) -> Event | None:
 def default_message_id(message: MemoryMessage) -> str | None:
     """The memory broker's dedup key: the id given to :meth:`MemoryBroker.publish`, or a
     structured CloudEvent's ``source`` + ``id``."""
-    event = structured_event(message)
+    event = structured_event(message) if message.headers else None
     if event is not None and event.key is not None:
         return event.key
     return message.message_id
@@ -279,8 +283,13 @@ class MemoryBroker:
         self._dispatch()
 
 
-class MemoryConsumer:
-    """One connection to a :class:`MemoryBroker`: the pump's :class:`Broker`."""
+class MemoryConsumer(Settler):
+    """One connection to a :class:`MemoryBroker`: the pump's :class:`Broker`.
+
+    ``keep_alive`` and ``in_commit`` are the Settler's no-ops: the visibility timeout,
+    when set, is the test's lock and runs out as set, and nothing of the memory broker
+    commits with the handler's transaction.
+    """
 
     name = "memory"
 
@@ -353,12 +362,6 @@ class MemoryConsumer:
         """One call for a batch's acks; returns the ones lost (their lock had expired)."""
         self.broker._count(self, "ack_many")
         return await ack_each(self.ack, handles)
-
-    def keep_alive(self, handle: _Flight, seconds: float) -> None:
-        """Nothing: the visibility timeout, when set, is the test's lock and runs out as set."""
-
-    async def in_commit(self, session: Any, handles: Sequence[_Flight]) -> None:
-        """Nothing of the memory broker commits with the handler's transaction."""
 
     async def nack(self, handle: _Flight, delay: float | None, counted: bool = True) -> None:
         broker = self.broker

@@ -8,10 +8,11 @@ The adapter, one module per role:
 - :mod:`~worker.brokers.kafka.records`: reading a record (header text, the dedup key,
   CloudEvents) and the names of the dead-letter headers;
 - :mod:`~worker.brokers.kafka.consumer`: :class:`KafkaConsumer`, the transport the pump
-  consumes from (fetching, flow control, hand-out, rebalances) and how the settlement
-  verbs map onto offsets;
+  consumes from (fetching, flow control, hand-out) and how the settlement verbs map
+  onto offsets;
 - :mod:`~worker.brokers.kafka.partitions`: its bookkeeping per owned partition, per
-  record handed out, and the in-memory delivery counts;
+  record handed out, and the in-memory delivery counts; rebalances (assignments with
+  their claims, revocations, fences);
 - :mod:`~worker.brokers.kafka.store`: the offset store: commits to Kafka, or the
   ``consumer_offsets`` rows when offsets or delivery counts live in the database;
 - :mod:`~worker.brokers.kafka.offsets`: those rows' statements and their epoch fence;

@@ -1,8 +1,10 @@
 """The consumer: :class:`KafkaConsumer`, a group member that commits offsets instead of acking.
 
 It is the transport: it fetches, buffers and hands records out, keeps each partition's
-flow in check, follows rebalances, and maps the settlement verbs onto offsets. What it
-leaves to its parts: where the settled prefixes go (:mod:`~worker.brokers.kafka.store`),
+flow in check, and maps the settlement verbs onto offsets. What it leaves to its parts:
+how partitions are kept and how they come and go in a rebalance
+(:mod:`~worker.brokers.kafka.partitions`), where the settled prefixes go
+(:mod:`~worker.brokers.kafka.store`),
 when a record is hung (:mod:`~worker.brokers.kafka.watchdog`), producing dead letters
 (:mod:`~worker.brokers.kafka.deadletters`), and what aiokafka keeps private about the
 group (:mod:`~worker.brokers.kafka.membership`). Kafka has no per-message settlement:
@@ -31,8 +33,9 @@ the worker counts in the database. A settlement of a record whose partition was 
 raises :class:`~worker.errors.SettlementLost`: the new owner gets the record again and
 the inbox absorbs whatever this process already committed to the database.
 
-Deliveries carry ``group = (topic, partition)``: a batch (``WORKER_BATCH_SIZE``, that many
-contiguous records of a partition out at once) stays in one partition.
+Deliveries carry ``group = (topic, partition)``: the pump's lane for the partition, so its
+records apply in offset order while records of other partitions may share their group
+(``WORKER_BATCH_SIZE``).
 """
 
 from __future__ import annotations
@@ -40,20 +43,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
-from aiokafka import (  # type: ignore[import-untyped]
-    AIOKafkaConsumer,
-    AIOKafkaProducer,
-    ConsumerRebalanceListener,
-)
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # type: ignore[import-untyped]
 from aiokafka.errors import KafkaError  # type: ignore[import-untyped]
 
 from worker.brokers import load_identity
 from worker.brokers.kafka import membership
 from worker.brokers.kafka.deadletters import DeadLetters
-from worker.brokers.kafka.partitions import Handle, Partition, Tally
+from worker.brokers.kafka.partitions import Handle, Partition, Rebalances, Tally
 from worker.brokers.kafka.records import header_message_id, record_contents, record_headers
 from worker.brokers.kafka.settings import FETCH_WAIT_MS, start_client
 from worker.brokers.kafka.store import RESERVE_AHEAD, open_store
@@ -69,21 +68,12 @@ if TYPE_CHECKING:
     from worker.settings import Settings
 
 
-class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
-    def __init__(self, broker: KafkaConsumer) -> None:
-        self._broker = broker
-
-    async def on_partitions_revoked(self, revoked: Iterable[Any]) -> None:
-        await self._broker._revoke(revoked)
-
-    async def on_partitions_assigned(self, assigned: Iterable[Any]) -> None:
-        self._broker._assign(assigned)
-
-
 class KafkaConsumer:
     """One consumer-group member: the pump's :class:`~worker.brokers.Broker` and Settler."""
 
     name = "kafka"
+    watches = True  # keep_alive feeds the watchdog
+    writes_in_commit = True  # offsets, with WORKER_KAFKA_OFFSETS=database
 
     def __init__(self, settings: Settings, kafka: KafkaSettings) -> None:
         self.settings = settings
@@ -106,8 +96,9 @@ class KafkaConsumer:
         self._fetch_ok = False
         self._started = False
         self._stopping = False
-        self._batch = max(1, settings.batch_size or 1)  # WORKER_BATCH_SIZE
-        self.offsets = open_store(settings, kafka, self.stats, self._log, self._fenced)
+        batch = max(1, settings.batch_size or 1)  # WORKER_BATCH_SIZE
+        self._rebalances = Rebalances(self, self._partitions, batch, self._log)
+        self.offsets = open_store(settings, kafka, self.stats, self._log, self._rebalances.fenced)
         self.dead_letters = DeadLetters(kafka, self.stats, self._log)
         # A delivery may legitimately take one handler attempt, plus the in-process
         # retries of conflicts, before its first keep_alive says what it is doing.
@@ -143,6 +134,11 @@ class KafkaConsumer:
     def assignment(self) -> list[Any]:
         return list(self._partitions)
 
+    @property
+    def client(self) -> Any:
+        """The AIOKafkaConsumer (None before :meth:`start`)."""
+        return self._consumer
+
     async def start(self, prefetch: int) -> None:
         """Join the group. ``prefetch`` is moot: one record per partition (or key) is in flight.
 
@@ -163,7 +159,7 @@ class KafkaConsumer:
             **options,
         )
         await self.offsets.open(self._consumer)  # before the first assignment claims rows
-        self._consumer.subscribe(kafka.topic_list, listener=_Listener(self))
+        self._consumer.subscribe(kafka.topic_list, listener=self._rebalances.listener())
         self.dead_letters.producer = AIOKafkaProducer(
             acks="all",
             enable_idempotence=kafka.idempotent_producer,
@@ -206,7 +202,7 @@ class KafkaConsumer:
         partitions = list(self._partitions.values())
         self._partitions.clear()
         for partition in partitions:
-            self._disown(partition)
+            partition.disown()
         for chore in list(self._chores):
             chore.cancel()
         await asyncio.gather(*self._chores, return_exceptions=True)
@@ -253,7 +249,7 @@ class KafkaConsumer:
             if self.watchdog.left:  # unsubscribed: nothing to fetch until the watchdog rejoins
                 await asyncio.sleep(FETCH_WAIT_MS / 1000)
                 continue
-            self._flow_control()
+            self.flow_control()
             try:
                 batches = await consumer.getmany(timeout_ms=FETCH_WAIT_MS)
             except Exception as exc:  # aiokafka retries inside; whatever escapes, back off
@@ -277,7 +273,7 @@ class KafkaConsumer:
                 partition.push(records)
                 self._offer(partition)
 
-    def _flow_control(self) -> None:
+    def flow_control(self) -> None:
         consumer, limit, room = (
             self._consumer,
             self.kafka.max_buffered,
@@ -304,7 +300,7 @@ class KafkaConsumer:
             if not partition.reserving:
                 partition.reserving = True
                 through = partition.records[-1].offset + RESERVE_AHEAD
-                self._chore(self._reserve(partition, through), f"kafka-reserve-{partition.label}")
+                self.chore(self._reserve(partition, through), f"kafka-reserve-{partition.label}")
             return False
         if partition.keyed:
             return partition.next_index(time.monotonic()) is not None
@@ -360,7 +356,7 @@ class KafkaConsumer:
             give_backs=self._tally.give_backs(tp, offset),
             refusal=contents.refusal,
         )
-        delivery.group = (record.topic, record.partition)  # batches stay within a partition
+        delivery.group = (record.topic, record.partition)  # the partition's lane: offset order
         return delivery
 
     def _returned(self, partition: Partition) -> None:
@@ -474,47 +470,17 @@ class KafkaConsumer:
                 "its new owner reads it again from the committed offset"
             )
 
-    # -- rebalances and claims --------------------------------------------------
+    # -- commits, chores and reservations -----------------------------------------
 
     async def _commit_periodically(self) -> None:
         while True:
             await asyncio.sleep(self.kafka.commit_interval)
             await self.offsets.commit(list(self._partitions.values()))
 
-    def _chore(self, work: Any, name: str) -> None:
+    def chore(self, work: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(work, name=name)
         self._chores.add(task)
         task.add_done_callback(self._chores.discard)
-
-    async def _claim(self, partition: Partition) -> None:
-        """Claim the partition in the store, seek where it says, then let records flow.
-
-        Until the claim is in, the partition stays paused: a record handed out before
-        it could be fenced out by the previous owner's last commit, or start from a
-        broker offset older than the stored one.
-        """
-        failures = 0
-        while partition.owned and not self._stopping:
-            try:
-                target = await self.offsets.claim(partition)
-                break
-            except Exception as exc:  # the database is away: the partition waits for it
-                failures += 1
-                self.stats["offset_claim_failures"] += 1
-                self._log.warning(
-                    "offset claim failed", partition=partition.label, error=exc, failures=failures
-                )
-                await asyncio.sleep(min(5.0, 0.1 * 2**failures))
-        else:
-            return
-        if not partition.owned:
-            return
-        target = target if target is not None else partition.refetch
-        if target is not None:
-            self._consumer.seek(partition.tp, target)
-        partition.refetch = None
-        partition.claimed = True
-        self._flow_control()
 
     async def _reserve(self, partition: Partition, through: int) -> None:
         try:
@@ -523,94 +489,18 @@ class KafkaConsumer:
             partition.reserving = False
         self._offer(partition)
 
-    def _fenced(self, partition: Partition, where: str) -> None:
-        """Another member claimed the row: stop here, and rejoin if Kafka says it is ours."""
-        if not partition.owned:
-            return
-        self.stats["fenced"] += 1
-        self._log.warning(
-            "partition fenced: another member claimed it",
-            partition=partition.label,
-            epoch=partition.slot.epoch if partition.slot else None,
-            where=where,
-        )
-        self._disown(partition)
-        partition.claimed = False  # stays paused until a new assignment claims it again
-        membership.request_rejoin(self._consumer)  # a rebalance settles who owns it
-
-    def _assign(self, assigned: Iterable[Any]) -> None:
-        generation = membership.generation(self._consumer)
-        for tp in assigned:
-            previous = self._partitions.get(tp)
-            if previous is not None:  # not revoked first: its handles must not commit
-                self._disown(previous)
-            keyed = self.kafka.ordering == "key"
-            partition = self._partitions[tp] = Partition(
-                tp, generation, keyed, span=self.kafka.max_buffered, batch=self._batch
-            )
-            if self.offsets.claims:  # claim the row first; nothing is read before
-                partition.claimed = False
-                self._consumer.pause(tp)
-                self._chore(self._claim(partition), f"kafka-claim-{partition.label}")
-            self.stats["partitions_assigned"] += 1
-        self.stats["rebalances"] += 1
-        labels = sorted(p.label for p in self._partitions.values())
-        self._log.info("partitions assigned", partitions=labels)
-
-    async def _revoke(self, revoked: Iterable[Any], hung: Iterable[Any] = ()) -> None:
-        """Stop handing out, let in-flight records settle (bounded), commit, drop the rest.
-
-        ``hung``: partitions whose in-flight record is overdue, not worth waiting for.
-        """
-        partitions = [self._partitions.pop(tp) for tp in revoked if tp in self._partitions]
-        if not partitions:
-            return
-        for partition in partitions:
-            partition.drop()
-            if partition.rewind is not None:
-                partition.rewind.cancel()
-                partition.rewind = None
-                partition.rewind_to = None
-        skip = set(hung)
-        busy = [p for p in partitions if p.busy and p.tp not in skip]
-        if busy:
-            waits = [asyncio.create_task(p.idle.wait()) for p in busy]
-            _, late = await asyncio.wait(waits, timeout=self.kafka.rebalance_grace)
-            for task in late:
-                task.cancel()
-        dropped = sum(p.busy for p in partitions)
-        for partition in partitions:
-            self._disown(partition)
-        await self.offsets.commit(partitions)
-        await self.offsets.hand_over(partitions)
-        self.stats["partitions_revoked"] += len(partitions)
-        if dropped:
-            self.stats["in_flight_dropped"] += dropped
-        self._log.info(
-            "partitions revoked",
-            partitions=sorted(p.label for p in partitions),
-            in_flight_dropped=dropped,
-        )
-
-    def _disown(self, partition: Partition) -> None:
-        """From here on, settlements of its records raise SettlementLost."""
-        partition.owned = False
-        partition.drop()
-        if partition.rewind is not None:
-            partition.rewind.cancel()
-            partition.rewind = None
-            partition.rewind_to = None
-
     # -- what the watchdog asks of the member -----------------------------------
 
     async def leave(self, overdue: list[Handle]) -> None:
         """Commit the settled prefixes and leave the group; the overdue records' partitions
         are not waited for."""
-        await self._revoke(list(self._partitions), hung={h.partition.tp for h in overdue})
+        await self._rebalances.revoke(
+            list(self._partitions), hung={h.partition.tp for h in overdue}
+        )
         self._consumer.unsubscribe()  # sends LeaveGroup; no rebalance callback follows
         for partition in self._partitions.values():  # assigned while revoke() waited
-            self._disown(partition)
+            partition.disown()
         self._partitions.clear()
 
     def rejoin(self) -> None:
-        self._consumer.subscribe(self.kafka.topic_list, listener=_Listener(self))
+        self._consumer.subscribe(self.kafka.topic_list, listener=self._rebalances.listener())

@@ -1,21 +1,31 @@
-"""The consumer's bookkeeping of one partition it owns, and of one record it handed out.
+"""The partitions a member owns: how each is kept, and how they come and go.
 
 A :class:`Partition` holds what was fetched and not handed out yet (bounded in records and
 bytes), which records are out, and the commit point: the end of the contiguous settled
-prefix, one record at a time, a batch, or a window of keys. A :class:`Handle` is the
+prefix, one record at a time, a group, or a window of keys. A :class:`Handle` is the
 adapter's own object behind one delivery; the pump hands it back to settle the record.
-Kept apart from the consumer because it is plain data: no client, no I/O.
+Both are plain data: no client, no I/O.
+
+:class:`Rebalances` is how partitions come to the member and leave it: aiokafka's
+rebalance callbacks, the offset store's claim of a new assignment (the partition stays
+paused until it is in), a revocation that lets in-flight records settle (bounded) and
+commits what did, and a fence raised by another member's claim.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections import Counter, deque
+from collections.abc import Coroutine, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from aiokafka import ConsumerRebalanceListener  # type: ignore[import-untyped]
+
+from worker.brokers.kafka import membership
 
 if TYPE_CHECKING:
     from worker.brokers.kafka.offsets import Slot
+    from worker.brokers.kafka.settings import KafkaSettings
 
 
 class Partition:
@@ -117,6 +127,15 @@ class Partition:
         self.done.clear()
         self.keys.clear()
         self.not_before.clear()
+
+    def disown(self) -> None:
+        """From here on, settlements of its records raise SettlementLost."""
+        self.owned = False
+        self.drop()
+        if self.rewind is not None:
+            self.rewind.cancel()
+            self.rewind = None
+            self.rewind_to = None
 
     # -- key mode --
 
@@ -244,3 +263,178 @@ class Tally:
         if records:
             for old in [o for o in records if o < offset]:
                 del records[old]
+
+
+class Offsets(Protocol):
+    """What the rebalances ask of the offset store (:mod:`worker.brokers.kafka.store`)."""
+
+    @property
+    def claims(self) -> bool:
+        """True: a new assignment stays paused until :meth:`claim` is done."""
+        ...
+
+    async def claim(self, partition: Partition) -> int | None: ...
+
+    async def commit(self, partitions: Sequence[Partition]) -> bool: ...
+
+    async def hand_over(self, partitions: Sequence[Partition]) -> None: ...
+
+
+class Member(Protocol):
+    """What the rebalances ask of the consumer whose partitions come and go."""
+
+    @property
+    def kafka(self) -> KafkaSettings: ...
+
+    @property
+    def stats(self) -> Counter[str]: ...
+
+    @property
+    def offsets(self) -> Offsets: ...
+
+    @property
+    def client(self) -> Any:
+        """The AIOKafkaConsumer (None before the member starts)."""
+        ...
+
+    @property
+    def stopping(self) -> bool: ...
+
+    def chore(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        """Run ``work`` as a task the member cancels when it closes."""
+        ...
+
+    def flow_control(self) -> None:
+        """Pause and resume partitions by what they hold."""
+        ...
+
+
+class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, rebalances: Rebalances) -> None:
+        self._rebalances = rebalances
+
+    async def on_partitions_revoked(self, revoked: Iterable[Any]) -> None:
+        await self._rebalances.revoke(revoked)
+
+    async def on_partitions_assigned(self, assigned: Iterable[Any]) -> None:
+        self._rebalances.assign(assigned)
+
+
+class Rebalances:
+    """Assignments, revocations, claims and fences of one member's partitions.
+
+    ``owned`` is the member's own map of its partitions (tp -> :class:`Partition`): an
+    assignment adds to it and a revocation takes out of it, here and nowhere else.
+    """
+
+    def __init__(self, member: Member, owned: dict[Any, Partition], batch: int, log: Any) -> None:
+        self._member = member
+        self._owned = owned
+        self._batch = batch
+        self._log = log
+
+    def listener(self) -> ConsumerRebalanceListener:
+        """What ``subscribe`` is given: aiokafka calls it around every rebalance."""
+        return _Listener(self)
+
+    def assign(self, assigned: Iterable[Any]) -> None:
+        member = self._member
+        generation = membership.generation(member.client)
+        for tp in assigned:
+            previous = self._owned.get(tp)
+            if previous is not None:  # not revoked first: its handles must not commit
+                previous.disown()
+            keyed = member.kafka.ordering == "key"
+            partition = self._owned[tp] = Partition(
+                tp, generation, keyed, span=member.kafka.max_buffered, batch=self._batch
+            )
+            if member.offsets.claims:  # claim the row first; nothing is read before
+                partition.claimed = False
+                member.client.pause(tp)
+                member.chore(self._claim(partition), f"kafka-claim-{partition.label}")
+            member.stats["partitions_assigned"] += 1
+        member.stats["rebalances"] += 1
+        labels = sorted(p.label for p in self._owned.values())
+        self._log.info("partitions assigned", partitions=labels)
+
+    async def revoke(self, revoked: Iterable[Any], hung: Iterable[Any] = ()) -> None:
+        """Stop handing out, let in-flight records settle (bounded), commit, drop the rest.
+
+        ``hung``: partitions whose in-flight record is overdue, not worth waiting for.
+        """
+        member = self._member
+        partitions = [self._owned.pop(tp) for tp in revoked if tp in self._owned]
+        if not partitions:
+            return
+        for partition in partitions:
+            partition.drop()
+            if partition.rewind is not None:
+                partition.rewind.cancel()
+                partition.rewind = None
+                partition.rewind_to = None
+        skip = set(hung)
+        busy = [p for p in partitions if p.busy and p.tp not in skip]
+        if busy:
+            waits = [asyncio.create_task(p.idle.wait()) for p in busy]
+            _, late = await asyncio.wait(waits, timeout=member.kafka.rebalance_grace)
+            for task in late:
+                task.cancel()
+        dropped = sum(p.busy for p in partitions)
+        for partition in partitions:
+            partition.disown()
+        await member.offsets.commit(partitions)
+        await member.offsets.hand_over(partitions)
+        member.stats["partitions_revoked"] += len(partitions)
+        if dropped:
+            member.stats["in_flight_dropped"] += dropped
+        self._log.info(
+            "partitions revoked",
+            partitions=sorted(p.label for p in partitions),
+            in_flight_dropped=dropped,
+        )
+
+    async def _claim(self, partition: Partition) -> None:
+        """Claim the partition in the store, seek where it says, then let records flow.
+
+        Until the claim is in, the partition stays paused: a record handed out before
+        it could be fenced out by the previous owner's last commit, or start from a
+        broker offset older than the stored one.
+        """
+        member = self._member
+        failures = 0
+        while partition.owned and not member.stopping:
+            try:
+                target = await member.offsets.claim(partition)
+                break
+            except Exception as exc:  # the database is away: the partition waits for it
+                failures += 1
+                member.stats["offset_claim_failures"] += 1
+                self._log.warning(
+                    "offset claim failed", partition=partition.label, error=exc, failures=failures
+                )
+                await asyncio.sleep(min(5.0, 0.1 * 2**failures))
+        else:
+            return
+        if not partition.owned:
+            return
+        target = target if target is not None else partition.refetch
+        if target is not None:
+            member.client.seek(partition.tp, target)
+        partition.refetch = None
+        partition.claimed = True
+        member.flow_control()
+
+    def fenced(self, partition: Partition, where: str) -> None:
+        """Another member claimed the row: stop here, and rejoin if Kafka says it is ours."""
+        if not partition.owned:
+            return
+        self._member.stats["fenced"] += 1
+        self._log.warning(
+            "partition fenced: another member claimed it",
+            partition=partition.label,
+            epoch=partition.slot.epoch if partition.slot else None,
+            where=where,
+        )
+        partition.disown()
+        partition.claimed = False  # stays paused until a new assignment claims it again
+        membership.request_rejoin(self._member.client)  # a rebalance settles who owns it

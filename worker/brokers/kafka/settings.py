@@ -29,7 +29,7 @@ from aiokafka.errors import (  # type: ignore[import-untyped]
     UnsupportedSaslMechanismError,
 )
 from aiokafka.helpers import create_ssl_context  # type: ignore[import-untyped]
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from worker.errors import BrokerUnavailable, ConfigurationError
@@ -45,6 +45,20 @@ class KafkaSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="WORKER_KAFKA_", extra="ignore")
 
     bootstrap_servers: str = Field("localhost:9092", description="Comma-separated host:port.")
+
+    @field_validator("bootstrap_servers")
+    @classmethod
+    def _servers_named(cls, value: str) -> str:
+        """An empty list or an empty entry would be retried as an outage for the whole
+        WORKER_START_TIMEOUT ("Unable to bootstrap from [('', 9092...)]")."""
+        servers = [server.strip() for server in value.split(",")]
+        for server in servers:
+            host, colon, port = server.rpartition(":")
+            bracketed = server.endswith("]")  # an IPv6 address without a port
+            if not server or (colon and not bracketed and (not host or not port.isdigit())):
+                raise ValueError("takes host:port, comma-separated (kafka-1:9092,kafka-2:9092)")
+        return ",".join(servers)
+
     topics: str = Field("work", description="Comma-separated; `worker publish` uses the first.")
     group_id: str = Field("worker", min_length=1, description="The consumer group of the replicas.")
     client_id: str = "worker"

@@ -8,6 +8,8 @@ the outbox relay :func:`open_publisher`.
 - :mod:`~worker.brokers.rabbitmq.messages`: type, dedup key, delivery count, copies;
 - :mod:`~worker.brokers.rabbitmq.topology`: the queues and exchanges, and their migration;
 - :mod:`~worker.brokers.rabbitmq.consumer`: the pump's Broker and the verb mapping;
+- :mod:`~worker.brokers.rabbitmq.giveback`: copy-then-ack for nacks and dead letters, held
+  and parked while the broker refuses a copy;
 - :mod:`~worker.brokers.rabbitmq.admin`: ``worker publish`` and ``worker dlq``;
 - :mod:`~worker.brokers.rabbitmq.publisher`: the outbox relay's confirmed publishing.
 

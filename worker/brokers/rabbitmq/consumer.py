@@ -3,43 +3,29 @@ that maps the pump's verbs onto AMQP (manual acks, delayed retries, a DLX).
 
 Verb mapping (every move is a confirmed copy before the original is released):
 
-- ``ack``: ``basic.ack``. ``ack_many`` (batch mode): one ``basic.ack(multiple=True)``
+- ``ack``: ``basic.ack``. ``ack_many`` (a group's acks): one ``basic.ack(multiple=True)``
   for the run of the channel's lowest unsettled delivery tags that are all in the
   batch (a multiple-ack covers every unacked tag up to it, other workers' included),
   single acks for the rest.
-- ``nack(delay, counted)``: publish a copy to the delay queue whose TTL fits the
-  delay, or straight to ``Q`` for an immediate retry, carrying the delivery count
-  so far in ``x-worker-deliveries`` (one less when the message is not to blame, and
-  then one more ``x-worker-give-backs``), wait for the publisher confirm, then ack
-  the original.
-- ``dead_letter(reason)``: publish a copy to ``Q.dlx`` with ``x-worker-reason`` (the
-  exception type and message), wait for the confirm, then ack the original.
-- A copy that fails (returned, refused, unconfirmed in time) on a live channel: the
-  original stays held and the copy is tried again with backoff (the topology declared
-  again first, in case a queue was deleted); after ``WORKER_RABBITMQ_COPY_HOLD`` it is
-  parked instead: a copy to the longest delay queue, then the ack. Never a requeue at
-  once, which would loop, and under a ``delivery-limit`` policy let the broker
-  dead-letter the message itself, at most once, into the queue that refused it.
-  Only while stopping is the original given back with ``basic.nack(requeue=True)``.
-
-Copy-then-ack is not atomic: a crash between the two leaves the original to be
-redelivered next to its copy, and the inbox absorbs whichever runs second.
+- ``nack(delay, counted)`` and ``dead_letter(reason)``: a confirmed copy to a delay
+  queue, back to ``Q``, or to ``Q.dlx``, then the ack of the original; a copy the broker
+  refuses is held, tried again and parked (:mod:`~worker.brokers.rabbitmq.giveback`).
+- ``keep_alive`` and ``in_commit``: the Settler's no-ops (an unacked delivery stays
+  ours while its channel lives; nothing of RabbitMQ's commits with the handler's
+  transaction).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from datetime import UTC, datetime
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
 import aio_pika
 from aio_pika.abc import (
-    AbstractExchange,
     AbstractIncomingMessage,
     AbstractQueue,
     AbstractRobustChannel,
@@ -47,16 +33,8 @@ from aio_pika.abc import (
 )
 
 from worker.brokers import IdentityFunc
-from worker.brokers.rabbitmq.messages import (
-    DELIVERIES_HEADER,
-    GIVE_BACKS_HEADER,
-    REASON_HEADER,
-    copy_message,
-    delivery_count,
-    give_backs,
-    message_contents,
-    returned,
-)
+from worker.brokers.rabbitmq.giveback import GiveBacks, Handle
+from worker.brokers.rabbitmq.messages import delivery_count, message_contents, returned
 from worker.brokers.rabbitmq.settings import (
     CONNECTION_LOST,
     RabbitMQSettings,
@@ -69,33 +47,14 @@ from worker.brokers.rabbitmq.topology import (
     drain_legacy_queues,
 )
 from worker.db import redact
-from worker.delivery import Delivery
+from worker.delivery import Delivery, Settler
 from worker.errors import SettlementLost
 from worker.logs import get_logger
 
-_MAX_REASON = 2000
 _Callback = Callable[[AbstractIncomingMessage], Awaitable[None]]
-_LOST_EVENTS = {"ack": "acks_lost", "nack": "nacks_lost", "dead-letter": "dead_letters_lost"}
-_HOLD_FIRST_DELAY = 0.5  # seconds before a refused copy is tried again, doubling
-_HOLD_MAX_DELAY = 30.0
 
 
-class _Handle:
-    """The adapter's own handle on one delivery: the AMQP message, its count and uncounted
-    give-backs, and the channel generation its delivery tag belongs to (a tag is void once
-    that channel is)."""
-
-    __slots__ = ("count", "generation", "give_backs", "message", "tag")
-
-    def __init__(self, message: AbstractIncomingMessage, count: int, generation: int) -> None:
-        self.message = message
-        self.count = count
-        self.give_backs = give_backs(message)
-        self.generation = generation
-        self.tag = message.delivery_tag or 0
-
-
-class RabbitMQConsumer:
+class RabbitMQConsumer(Settler):
     """The pump's :class:`~worker.brokers.Broker` and the deliveries' Settler.
 
     ``stats`` counts what an operator wants to see move (lower_snake_case keys):
@@ -105,7 +64,8 @@ class RabbitMQConsumer:
     ``dead_letters_lost`` (settlements that raised SettlementLost), ``copies_refused``
     (a copy the broker refused or left unconfirmed, on a live channel: tried again),
     ``copies_parked`` (held for ``WORKER_RABBITMQ_COPY_HOLD``, then parked in the longest
-    delay queue), ``requeued_after_failed_copy`` (only while stopping),
+    delay queue, or the work queue without delay queues), ``requeued_after_failed_copy``
+    (while stopping, or after a fault of the worker's own in the copy),
     ``multiple_acks``, ``nacks_delayed`` (copies to a retry queue), ``nacks_immediate``
     (copies straight back to the work queue), ``dead_lettered``, ``returned_unstarted``
     (given back untaken at a stop), ``legacy_messages_moved`` and
@@ -121,7 +81,7 @@ class RabbitMQConsumer:
         self.stats: Counter[str] = Counter()
         self._log = get_logger(broker=self.name, queue=settings.queue)
         # each delivery next to the adapter's own handle for it, until the pump takes it
-        self._buffer: asyncio.Queue[tuple[_Handle, Delivery]] = asyncio.Queue()
+        self._buffer: asyncio.Queue[tuple[Handle, Delivery]] = asyncio.Queue()
         self._connection: AbstractRobustConnection | None = None
         self._channel: AbstractRobustChannel | None = None
         self._publisher: AbstractRobustChannel | None = None
@@ -131,18 +91,40 @@ class RabbitMQConsumer:
         self._consuming = False
         self._generation = 0
         self._lost_at: float | None = None
-        self._exchanges: dict[str, AbstractExchange] = {}
         # Delivery tags of this generation's channel not settled yet, ascending (tags grow
         # with every delivery): a multiple-ack is safe only over a run of the lowest ones.
         # A tag leaves once its settling frame went out, never before.
         self._unsettled: dict[int, None] = {}
         self._strict = True  # Q was declared at-least-once (False: an earlier version's Q)
         self._returning: set[asyncio.Task[None]] = set()  # deliveries that raced the cancel
+        self._give_backs = GiveBacks(settings, self.stats, self._log, self)
 
     @property
     def ready(self) -> bool:
         """Connected and consuming: False while the robust connection reconnects."""
         return self._connected and self._consuming
+
+    # -- what the give-backs read (giveback.Channels) ---------------------------------
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    @property
+    def consuming(self) -> bool:
+        return self._consuming
+
+    @property
+    def connection(self) -> AbstractRobustConnection | None:
+        return self._connection
+
+    @property
+    def publisher(self) -> AbstractRobustChannel | None:
+        return self._publisher
+
+    @property
+    def strict(self) -> bool:
+        return self._strict
 
     @property
     def outages(self) -> int:
@@ -219,7 +201,7 @@ class RabbitMQConsumer:
             self._consumer_tag = None
         while not self._buffer.empty():  # taken from the queue, never started: not counted
             handle, _ = self._buffer.get_nowait()
-            await self._return_unstarted(handle)
+            await self._give_backs.return_unstarted(handle)
         await asyncio.gather(*self._returning, return_exceptions=True)
 
     async def close(self) -> None:
@@ -235,10 +217,10 @@ class RabbitMQConsumer:
     def _on_message(self, message: AbstractIncomingMessage) -> None:
         # Not a coroutine: aio-pika then calls it without a task of its own per delivery.
         count = delivery_count(message)
-        handle = _Handle(message, count, self._generation)
+        handle = Handle(message, count, self._generation)
         self._unsettled[handle.tag] = None
         if not self._consuming:  # raced with basic.cancel: give it straight back, uncounted
-            task = asyncio.get_running_loop().create_task(self._return_unstarted(handle))
+            task = asyncio.get_running_loop().create_task(self._give_backs.return_unstarted(handle))
             self._returning.add(task)
             task.add_done_callback(self._returning.discard)
             return
@@ -287,51 +269,17 @@ class RabbitMQConsumer:
 
     # -- Settler ----------------------------------------------------------------------
 
-    @contextlib.asynccontextmanager
-    async def _settling(
-        self, handle: _Handle, verb: str, give_back: bool = False, deliveries: int = 1
-    ) -> AsyncIterator[None]:
-        """Bound one settlement step in time and translate vendor errors to SettlementLost.
-
-        ``give_back``: the step is the copy's publish, and the original is still held
-        on a live channel, where nothing would ever return it: requeue it first.
-        ``deliveries``: how many the step settles (a multiple-ack: its whole run).
-        """
-        if handle.generation != self._generation:
-            self.stats[_LOST_EVENTS[verb]] += deliveries
-            raise SettlementLost(f"{verb} {handle.message.message_id!r}: its connection was lost")
-        try:
-            async with asyncio.timeout(self.settings.settle_timeout):
-                yield
-        except CONNECTION_LOST as exc:
-            self.stats[_LOST_EVENTS[verb]] += deliveries
-            requeued = give_back and await self._give_back(handle)
-            note = "; the original was requeued" if requeued else ""
-            raise SettlementLost(f"{verb} {handle.message.message_id!r}: {exc!r}{note}") from exc
-
-    async def _give_back(self, handle: _Handle) -> bool:
-        """Best effort ``basic.nack(requeue=True)``, so RabbitMQ really redelivers."""
-        if handle.generation != self._generation:
-            return False  # a void tag: the broker requeued it with the lost channel
-        try:
-            async with asyncio.timeout(self.settings.settle_timeout):
-                await handle.message.nack(requeue=True)
-        except CONNECTION_LOST:
-            return False  # the channel is gone after all, and so is the delivery
-        self._settled(handle)
-        self.stats["requeued_after_failed_copy"] += 1
-        return True
-
-    def _settled(self, handle: _Handle) -> None:
+    def settled(self, handle: Handle) -> None:
+        """The handle's settling frame went out: its tag leaves the unsettled run."""
         if handle.generation == self._generation:
             self._unsettled.pop(handle.tag, None)
 
-    async def ack(self, handle: _Handle) -> None:
-        async with self._settling(handle, "ack"):
+    async def ack(self, handle: Handle) -> None:
+        async with self._give_backs.settling(handle, "ack"):
             await handle.message.ack()
-        self._settled(handle)
+        self.settled(handle)
 
-    async def ack_many(self, handles: Sequence[_Handle]) -> list[_Handle]:
+    async def ack_many(self, handles: Sequence[Handle]) -> list[Handle]:
         """Ack a batch; returns the handles whose ack was lost.
 
         ``basic.ack(multiple=True)`` on tag T acks every unacked tag <= T on the channel,
@@ -340,30 +288,30 @@ class RabbitMQConsumer:
         dead-lettered elsewhere ends the run, and the rest are acked one by one.
         """
         ours = {h.tag: h for h in handles if h.generation == self._generation}
-        run: list[_Handle] = []
+        run: list[Handle] = []
         for tag in self._unsettled:  # ascending; stops at the first tag that is not ours
             if tag not in ours:
                 break
             run.append(ours[tag])
-        lost: list[_Handle] = []
+        lost: list[Handle] = []
         if len(run) > 1:
             top = run[-1]
             try:
-                async with self._settling(top, "ack", deliveries=len(run)):
+                async with self._give_backs.settling(top, "ack", deliveries=len(run)):
                     await top.message.ack(multiple=True)
             except SettlementLost:
                 lost.extend(run)
             else:
                 self.stats["multiple_acks"] += 1
                 for handle in run:
-                    self._settled(handle)
+                    self.settled(handle)
         else:
             run = []
         covered = {id(h) for h in run}
         lost.extend(await self._ack_each([h for h in handles if id(h) not in covered]))
         return lost
 
-    async def _ack_each(self, handles: Sequence[_Handle]) -> list[_Handle]:
+    async def _ack_each(self, handles: Sequence[Handle]) -> list[Handle]:
         """Single acks for what a multiple-ack could not cover, bounded together (one
         timeout, not one per delivery); once the channel fails, the rest are lost too."""
         live = [h for h in handles if h.generation == self._generation]
@@ -373,197 +321,15 @@ class RabbitMQConsumer:
             async with asyncio.timeout(self.settings.settle_timeout):
                 for handle in live:
                     await handle.message.ack()
-                    self._settled(handle)
+                    self.settled(handle)
                     sent += 1
         except CONNECTION_LOST:
             lost.extend(live[sent:])
         self.stats["acks_lost"] += len(lost)
         return lost
 
-    def keep_alive(self, handle: _Handle, seconds: float) -> None:
-        """Nothing to extend: an unacked delivery stays ours while the channel lives."""
+    async def nack(self, handle: Handle, delay: float | None, counted: bool = True) -> None:
+        await self._give_backs.nack(handle, delay, counted)
 
-    async def in_commit(self, session: Any, handles: Sequence[_Handle]) -> None:
-        """Nothing of RabbitMQ's commits with the handler's transaction."""
-
-    async def nack(self, handle: _Handle, delay: float | None, counted: bool = True) -> None:
-        # Always a confirmed copy, never ``basic.nack(requeue=True)``: the copy carries
-        # the count (and keeps it where it is when the message is not to blame), works
-        # the same on classic queues, and does not depend on whether a RabbitMQ version
-        # counts nacks (4.3 reportedly stopped).
-        level = await self._give_back_copy(handle, delay, counted, handle.give_backs + 1)
-        self.stats["nacks_immediate" if level is None else "nacks_delayed"] += 1
-
-    async def _return_unstarted(self, handle: _Handle) -> None:
-        """Taken from the queue, never started: back at once, its give-backs as they were
-        (a lost settlement needs nothing: RabbitMQ requeues what a lost channel held)."""
-        with contextlib.suppress(SettlementLost):
-            await self._give_back_copy(handle, 0.0, False, handle.give_backs)
-            self.stats["nacks_immediate"] += 1
-            self.stats["returned_unstarted"] += 1
-
-    async def _give_back_copy(
-        self, handle: _Handle, delay: float | None, counted: bool, uncounted_give_backs: int
-    ) -> float | None:
-        level = self.settings.retry_delay(handle.count, delay)
-        target = self.settings.queue if level is None else self.settings.retry_queue(level)
-        carried = {DELIVERIES_HEADER: handle.count if counted else handle.count - 1}
-        carried[GIVE_BACKS_HEADER] = handle.give_backs if counted else uncounted_give_backs
-        copy = copy_message(handle.message, **carried)
-        park = None if level == self._longest_delay else copy
-        await self._copy_then_ack(handle, "nack", copy, "", target, park)
-        return level
-
-    async def dead_letter(self, handle: _Handle, reason: str) -> None:
-        copy = copy_message(
-            handle.message,
-            **{
-                REASON_HEADER: reason[:_MAX_REASON],
-                DELIVERIES_HEADER: handle.count,
-                "x-worker-queue": self.settings.queue,
-                "x-worker-dead-lettered-at": datetime.now(UTC).isoformat(),
-            },
-        )
-        # Parked, it comes back counted: judged again, or past the delivery limit at once.
-        park = copy_message(
-            handle.message,
-            **{DELIVERIES_HEADER: handle.count, GIVE_BACKS_HEADER: handle.give_backs},
-        )
-        await self._copy_then_ack(
-            handle,
-            "dead-letter",
-            copy,
-            self.settings.dead_letter_exchange,
-            self.settings.queue,
-            park,
-        )
-        self.stats["dead_lettered"] += 1
-
-    @property
-    def _longest_delay(self) -> float | None:
-        return self.settings.retry_delays[-1] if self.settings.retry_delays else None
-
-    async def _copy_then_ack(
-        self,
-        handle: _Handle,
-        verb: str,
-        copy: aio_pika.Message,
-        exchange: str,
-        routing_key: str,
-        park: aio_pika.Message | None = None,
-    ) -> None:
-        """Publish the copy (confirmed), then ack the original; each step bounded on its own.
-
-        ``park``: what goes to the longest delay queue instead once the copy has been
-        refused for ``WORKER_RABBITMQ_COPY_HOLD`` (None: nothing to park in).
-        """
-        if not self._consuming:  # stopping: nothing to hold for, the original goes back
-            async with self._settling(handle, verb, give_back=True):
-                await self._publish(copy, exchange, routing_key)
-        else:
-            await self._copy_held(handle, verb, (copy, exchange, routing_key), park)
-        async with self._settling(handle, verb):
-            await handle.message.ack()
-        self._settled(handle)
-
-    async def _copy_held(
-        self,
-        handle: _Handle,
-        verb: str,
-        publish: tuple[aio_pika.Message, str, str],
-        park: aio_pika.Message | None,
-    ) -> None:
-        """Publish a copy while the original stays held; a refusal on a live channel is tried
-        again with jittered backoff, and parked once WORKER_RABBITMQ_COPY_HOLD has passed.
-
-        RabbitMQ keeps a delivery held on a live channel for as long as it lives: the
-        message can be neither lost nor redelivered meanwhile, and it costs one slot.
-        """
-        held_since = time.monotonic()
-        delay = _HOLD_FIRST_DELAY
-        parked = False
-        while (error := await self._try_publish(handle, verb, *publish)) is not None:
-            self.stats["copies_refused"] += 1
-            if not self._consuming:  # the worker is stopping: give the original back now
-                self.stats[_LOST_EVENTS[verb]] += 1
-                requeued = await self._give_back(handle)
-                note = "; the original was requeued" if requeued else ""
-                raise SettlementLost(f"{verb} {handle.message.message_id!r}: {error!r}{note}")
-            held = time.monotonic() - held_since
-            if park is not None and not parked and held >= self.settings.copy_hold:
-                assert self._longest_delay is not None
-                publish = (park, "", self.settings.retry_queue(self._longest_delay))
-                parked = True
-                self._log.warning(
-                    "copy refused for too long, parking the message in the longest delay queue",
-                    message_id=handle.message.message_id,
-                    verb=verb,
-                    target=publish[2],
-                    held_s=round(held, 1),
-                    error=error,
-                )
-            elif delay == _HOLD_FIRST_DELAY:  # once per hold, not once per try
-                self._log.warning(
-                    "copy refused, holding the message and trying again",
-                    message_id=handle.message.message_id,
-                    verb=verb,
-                    target=publish[2],
-                    error=error,
-                )
-            await self._repair_topology()
-            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
-            delay = min(delay * 2.0, _HOLD_MAX_DELAY)
-        if parked:
-            self.stats["copies_parked"] += 1
-
-    async def _try_publish(
-        self, handle: _Handle, verb: str, message: aio_pika.Message, exchange: str, key: str
-    ) -> BaseException | None:
-        """One confirmed publish: None, or why the broker refused it on a live channel.
-
-        Raises ``SettlementLost`` once the original's channel is gone: the broker then
-        requeues the original itself.
-        """
-        error: BaseException | None = None
-        if handle.generation == self._generation:
-            try:
-                async with asyncio.timeout(self.settings.settle_timeout):
-                    await self._publish(message, exchange, key)
-            except CONNECTION_LOST as exc:
-                error = exc
-            if error is None or (
-                handle.generation == self._generation
-                and self._connection is not None
-                and not self._connection.is_closed
-            ):
-                return error
-        self.stats[_LOST_EVENTS[verb]] += 1
-        raise SettlementLost(
-            f"{verb} {handle.message.message_id!r}: its connection was lost ({error!r})"
-        )
-
-    async def _repair_topology(self) -> None:
-        """Declare the topology again (a returned copy means a queue was deleted), on a
-        channel of its own; best effort, the next try says whether it helped."""
-        if self._connection is None or self._connection.is_closed:
-            return
-        with contextlib.suppress(*CONNECTION_LOST):
-            channel = await self._connection.channel()
-            try:
-                await declare_topology(channel, self.settings, at_least_once=self._strict)
-            finally:
-                with contextlib.suppress(*CONNECTION_LOST):
-                    await channel.close()
-
-    async def _publish(self, message: aio_pika.Message, exchange: str, routing_key: str) -> None:
-        assert self._publisher is not None
-        # Publishing on a robust channel waits out a reconnect; the ack after it
-        # then fails on the old channel and the original comes back anyway.
-        target = self._exchanges.get(exchange)
-        if target is None:
-            target = self._exchanges[exchange] = (
-                await self._publisher.get_exchange(exchange, ensure=False)
-                if exchange
-                else self._publisher.default_exchange
-            )
-        await target.publish(message, routing_key, mandatory=True)
+    async def dead_letter(self, handle: Handle, reason: str) -> None:
+        await self._give_backs.dead_letter(handle, reason)

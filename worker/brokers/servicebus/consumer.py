@@ -85,6 +85,8 @@ class ServiceBusConsumer:
     """The pump's :class:`~worker.brokers.Broker` for one queue or subscription."""
 
     name = "servicebus"
+    watches = True  # keep_alive renews the lock
+    writes_in_commit = False
 
     def __init__(
         self,

@@ -88,6 +88,14 @@ class ServiceBusSettings(BaseSettings):
                 "set exactly one of WORKER_SERVICEBUS_CONNECTION_STRING "
                 "and WORKER_SERVICEBUS_NAMESPACE"
             )
+        if self.connection_string is not None:
+            # the SDK's own parser, here and not at connect: a malformed string is no outage
+            from azure.servicebus import parse_connection_string
+
+            try:
+                parse_connection_string(self.connection_string.get_secret_value())
+            except ValueError as exc:  # its messages name the part, never the value
+                raise ConfigurationError(f"WORKER_SERVICEBUS_CONNECTION_STRING: {exc}") from None
         if bool(self.queue) == bool(self.topic):
             raise ConfigurationError(
                 "set exactly one of WORKER_SERVICEBUS_QUEUE and WORKER_SERVICEBUS_TOPIC"
