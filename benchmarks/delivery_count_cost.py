@@ -69,7 +69,6 @@ async def main(messages: int, runs: int, database: str | None) -> None:
             await connection.execute(text(f'CREATE DATABASE "{created}"'))
         await admin.dispose()
         url = ADMIN.rsplit("/", 1)[0] + f"/{created}"
-        await asyncio.to_thread(migrate_with_the_example, url)
     rows = [
         ("first delivery, counts=database", "database", False),
         ("first delivery, counts=broker", "broker", False),
@@ -78,6 +77,8 @@ async def main(messages: int, runs: int, database: str | None) -> None:
     ]
     results: dict[str, list[float]] = {name: [] for name, _, _ in rows}
     try:
+        if created is not None:  # inside the try: a failed migration drops it too
+            await asyncio.to_thread(migrate_with_the_example, url)
         for _ in range(runs):
             for name, counts, redelivered in rows:
                 results[name].append(await run_once(url, messages, counts, redelivered))

@@ -3,8 +3,9 @@
     python -m benchmarks.hot_rows [--messages 10000] [--repeat 1] [--quick]
 
 N ``CreditRequested`` bodies (1.25 each) over 5 accounts are queued in RabbitMQ,
-then P ``python -m worker.cli run`` processes (concurrency 16 each; P = 1, then 4)
-consume them into PostgreSQL. Rows (handlers in benchmarks/hot_rows_handlers.py):
+then P ``python -m worker.cli run`` processes (concurrency 16 each; P = 1, then 4; the
+worker's default settings otherwise: group commit, groups up to 32) consume them into
+PostgreSQL. Rows (handlers in benchmarks/hot_rows_handlers.py):
 
 - the reference read-modify-write handler (``handlers.credit.apply_credit``);
 - the same with ``key=account_id`` (serialized per account inside each process);
@@ -458,10 +459,11 @@ async def run_all(
 
 
 @contextlib.asynccontextmanager
-async def throwaway_vhost() -> AsyncIterator[str]:
+async def throwaway_vhost(prefix: str = "hot_rows") -> AsyncIterator[str]:
     """A vhost for this benchmark alone, deleted with everything in it (waiting out a
-    broker restart by another user of the server, within bounds)."""
-    name = f"hot_rows_{uuid.uuid4().hex[:10]}"
+    broker restart by another user of the server, within bounds); named after the
+    benchmark (``prefix``), so a leftover one says whose it is."""
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
     await patiently("adding a vhost", lambda: _ctl("add_vhost", name))
     try:
         await patiently(

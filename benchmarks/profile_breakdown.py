@@ -1,7 +1,7 @@
 """Where a message's CPU goes: a py-spy raw profile summed into the pump's stages.
 
     py-spy record --format raw -o prof.txt --rate 200 -- \\
-        python -m benchmarks.pump_path --only "batch 32, reference" --rounds 1
+        python -m benchmarks.pump_path --only "(groups up to 32), reference" --rounds 1
     python -m benchmarks.profile_breakdown prof.txt [--us-per-message 955]
 
 Each sample is charged to the deepest frame of its stack that one of the rules below
@@ -10,9 +10,9 @@ marker statement is the marker's). SQLAlchemy runs its synchronous half in green
 whose stacks py-spy shows from the greenlet's own first frame: those are charged by
 that frame (``Session.get``: the handler's read; the ``SessionTransaction.commit``
 wrapper: a savepoint's release with its flush; ``_GuardedSession.commit``: the
-batch's commit). Samples of the benchmark's own set-up (publishing, migrations,
-truncating) are left out. With ``--us-per-message`` the shares are also printed as
-microseconds of CPU per message.
+transaction's commit, a group's included). Samples of the benchmark's own set-up
+(publishing, migrations, truncating) are left out. With ``--us-per-message`` the shares
+are also printed as microseconds of CPU per message.
 """
 
 from __future__ import annotations
@@ -52,18 +52,18 @@ GREENLET_ROOTS: list[tuple[str, str]] = [
 OWNERS: list[tuple[str, str]] = [
     ("handlers/", "handler (its own Python and its awaits)"),
     ("throughput_handlers.py", "handler (its own Python and its awaits)"),
-    ("worker/batch.py", "batch runner (locks, savepoints, verdicts)"),
-    ("worker/transaction.py", "transaction runner"),
+    ("worker/transaction.py", "transaction runner (groups: locks, savepoints, verdicts)"),
+    ("worker/claim_runner.py", "claim runner (side-effect handlers)"),
     ("worker/inbox.py", "inbox marker statement"),
     ("worker/attempts.py", "delivery counts (autocommitted)"),
     ("worker/intake.py", "intake (lanes, buckets)"),
     ("model_validate_json", "decode (pydantic, once per delivery)"),
-    ("worker/dispatch.py", "dispatch"),
     ("worker/settle.py", "settlement (verdicts -> verbs)"),
     ("worker/delivery.py", "settlement (verdicts -> verbs)"),
     ("worker/middleware.py", "middleware (timing, metrics)"),
     ("worker/metrics.py", "middleware (timing, metrics)"),
     ("worker/judge.py", "judge (outcome tallies, logs)"),
+    ("worker/verdict.py", "judge (outcome tallies, logs)"),
     ("worker/logs.py", "logging"),
     ("structlog/", "logging"),
     ("worker/brokers/", "broker adapter"),
@@ -72,7 +72,7 @@ OWNERS: list[tuple[str, str]] = [
     ("pamqp/", "AMQP client (aio-pika, aiormq, pamqp)"),
     ("aiokafka/", "Kafka client (aiokafka)"),
     ("worker/db.py", "session set-up and clean-up"),
-    ("worker/pump.py", "pump loop"),
+    ("worker/pump.py", "pump loop (a unit's start, its runners in order)"),
     ("Thread._bootstrap", "ops endpoint thread (probes, metrics)"),
 ]
 """A frame naming one of these -> the stage it is part of (the deepest such frame wins)."""

@@ -1,19 +1,19 @@
 """The pump's own per-message cost, without a network broker: a focused micro-benchmark.
 
-    python -m benchmarks.pump_path [--messages 5000] [--rounds 3] [--only reference,atomic]
+    python -m benchmarks.pump_path [--messages 5000] [--rounds 3] [--only "reference|atomic"]
 
 An in-process :class:`worker.pump.Pump` on the memory broker consumes N
-``CreditRequested`` deliveries (100 accounts, concurrency 32) into PostgreSQL with
-the reference handler (``handlers.credit.apply_credit``, keyed by account) and
-with the atomic-SQL handler of benchmarks/throughput_handlers.py, per message and
-in batch mode (``WORKER_BATCH_SIZE=32``: the keyed reference handler in savepoints,
-and the set-based batch handler); the same
-deliveries are also run by the hand-written asyncpg inbox transaction (no
-broker, no pump) for scale. Rounds alternate; medians are printed, msg/s and the
-process's CPU time per message (steadier than msg/s on a shared machine). What is left
-between the pump rows and the asyncpg row is the pump's, SQLAlchemy's and the
-handler's Python work: run it under ``py-spy record`` to see where it goes.
-Makes a scratch database and drops it.
+``CreditRequested`` deliveries (100 accounts, concurrency 32) into PostgreSQL: with
+``WORKER_BATCH_SIZE=1`` (no groups: one transaction per delivery), the reference handler
+(``handlers.credit.apply_credit``, keyed by account) and the atomic-SQL handler of
+benchmarks/throughput_handlers.py; with the default settings (group commit, groups up to
+32), the keyed reference handler and the set-based batch handler. The same deliveries
+are also run by the hand-written asyncpg inbox transaction (no broker, no pump) for
+scale. ``--only`` picks the rows whose label contains one of its ``|``-separated parts.
+Rounds alternate; medians are printed, msg/s and the process's CPU time per message
+(steadier than msg/s on a shared machine). What is left between the pump rows and the
+asyncpg row is the pump's, SQLAlchemy's and the handler's Python work: run it under
+``py-spy record`` to see where it goes. Makes a scratch database and drops it.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ async def pump_run(
     concurrency: int,
     func: Any,
     key: bool,
-    batch: int = 1,
+    batch: int = 0,
     set_based: bool = False,
 ) -> tuple[float, float]:
     registry = Registry()
@@ -65,9 +65,10 @@ async def pump_run(
         registry.handler("CreditRequested", CreditRequested, consumer="credit", batch=True)(func)
     else:
         registry.handler("CreditRequested", CreditRequested, consumer="credit", key=keyed)(func)
-    settings = Settings(
-        database_url=url, concurrency=concurrency, purge_interval=0, batch_size=batch
-    )
+    values: dict[str, Any] = {"database_url": url, "concurrency": concurrency, "purge_interval": 0}
+    if batch:  # else the default (groups up to 32)
+        values["batch_size"] = batch
+    settings = Settings(**values)
     engine = create_engine(url, pool_size=settings.pool_size, max_overflow=0)
     broker = MemoryBroker()
     tag = uuid.uuid4().hex[:8]
@@ -88,7 +89,13 @@ async def pump_run(
         pump.stop()
         await task
         await engine.dispose()
-        noted = ("batch-deferred", "batch-retried", "batch-fallback", "duplicates-fast-path")
+        noted = (
+            "batch-isolated",
+            "batch-deferred",
+            "batch-retried",
+            "batch-fallback",
+            "duplicates-fast-path",
+        )
         unusual = {k: v for k, v in pump.stats.items() if k in noted or k.startswith("retried")}
         if unusual:
             print(f"    {unusual}", flush=True)
@@ -124,20 +131,23 @@ async def main(args: argparse.Namespace) -> None:
     logs.configure("WARNING", "json")
     name = f"pump_path_{uuid.uuid4().hex[:8]}"
     url = args.postgres.rsplit("/", 1)[0] + f"/{name}"
+    one, default = "WORKER_BATCH_SIZE=1 (no groups)", "default settings (groups up to 32)"
     runners = {
         "asyncpg inbox (no broker)": lambda: asyncpg_run(url, *shape),
-        "pump, reference handler": lambda: pump_run(url, *shape, apply_credit, True),
-        "pump, atomic-SQL handler": lambda: pump_run(url, *shape, credit_atomic, False),
-        "pump batch 32, reference (keyed)": lambda: pump_run(
-            url, *shape, apply_credit, True, batch=32
+        f"pump, {one}, reference (keyed)": lambda: pump_run(
+            url, *shape, apply_credit, True, batch=1
         ),
-        "pump batch 32, set-based": lambda: pump_run(
-            url, *shape, credit_set_based, False, batch=32, set_based=True
+        f"pump, {one}, atomic-SQL handler": lambda: pump_run(
+            url, *shape, credit_atomic, False, batch=1
+        ),
+        f"pump, {default}, reference (keyed)": lambda: pump_run(url, *shape, apply_credit, True),
+        f"pump, {default}, set-based": lambda: pump_run(
+            url, *shape, credit_set_based, False, set_based=True
         ),
     }
     shape = (args.messages, args.accounts, args.concurrency)
     if args.only:
-        runners = {k: v for k, v in runners.items() if any(o in k for o in args.only.split(","))}
+        runners = {k: v for k, v in runners.items() if any(o in k for o in args.only.split("|"))}
     rates: dict[str, list[float]] = {k: [] for k in runners}
     cpu: dict[str, list[float]] = {k: [] for k in runners}
     await admin_sql(args.postgres, f'CREATE DATABASE "{name}"')
@@ -152,11 +162,12 @@ async def main(args: argparse.Namespace) -> None:
                 print(f"  {label}: {rate:.0f} msg/s, {seconds * 1e6:.0f} us CPU/msg", flush=True)
     finally:
         await admin_sql(args.postgres, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    print(f"{'':28} {'msg/s':>7} {'CPU us/msg':>11}  (msg/s of each round)")
+    width = max([28, *(len(label) for label in rates)])
+    print(f"{'':{width}} {'msg/s':>7} {'CPU us/msg':>11}  (msg/s of each round)")
     for label, values in rates.items():
         runs = ", ".join(f"{v:.0f}" for v in values)
         print(
-            f"{label:28} {statistics.median(values):7.0f} "
+            f"{label:{width}} {statistics.median(values):7.0f} "
             f"{statistics.median(cpu[label]):11.0f}  ({runs})"
         )
 
@@ -167,7 +178,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--accounts", type=int, default=100)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--only", default="")
+    parser.add_argument("--only", default="", help="rows whose label contains one of these (|)")
     parser.add_argument(
         "--postgres", default="postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
     )

@@ -4,7 +4,7 @@
 
 For each design, N messages are delivered, nacked once each by the adapter, and
 acked on their second delivery. Reported: the time a nack takes (the pump waits
-for it), nacks per second, and how long after the nack the message came back.
+for it), nacks per second, and how long after the nack was sent the message came back.
 
 - ``retry queue``: the adapter's default: publish a copy to a TTL queue (publisher
   confirm), ack the original; the TTL queue dead-letters back to the work queue.
@@ -63,10 +63,10 @@ async def measure(settings: RabbitMQSettings, messages: int) -> dict[str, Any]:
     async def settle(delivery: Delivery) -> None:
         nonlocal nack_phase
         if delivery.delivery_count == 1:
-            before = time.perf_counter()
+            # noted before the nack returns: a requeued message may be back before it does
+            before = nacked_at[delivery.message_id] = time.perf_counter()
             await delivery.nack()
             nack_seconds.append(time.perf_counter() - before)
-            nacked_at[delivery.message_id] = time.perf_counter()
             if len(nack_seconds) == messages:
                 nack_phase = time.perf_counter() - started
         else:

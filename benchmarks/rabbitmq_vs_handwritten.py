@@ -5,8 +5,9 @@
 Both consume the same N ``CreditRequested`` messages from the same kind of queue
 (the adapter's quorum queue) with the same prefetch and database pool size:
 
-- worker: :class:`worker.pump.Pump` with the reference handler (read-modify-write
-  guarded by a version token; a conflict re-runs the attempt on a new session);
+- worker: :class:`worker.pump.Pump` at its default settings (group commit, groups up
+  to 32) with the reference handler (read-modify-write guarded by a version token; a
+  conflict re-runs the attempt on a new session);
 - worker, SQL handler: the same pump with a handler that runs the hand-written
   consumer's atomic ``INSERT .. ON CONFLICT DO UPDATE`` through ``ctx.session``
   (separates the pump's own cost from the ORM read-modify-write's);

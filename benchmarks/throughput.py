@@ -15,13 +15,14 @@ and ratios to the hand-written inbox consumer of the same scenario. Rows:
 - the same without the marker (atomic upsert, no dedup);
 - a FastStream subscriber: ORM read-modify-write of the versioned ``Account``, no
   dedup, a version conflict nacked for redelivery (needs the ``bench`` extra);
-- ``worker run`` per message: the reference handler as registered
-  (``handlers.credit``: ORM read-modify-write under the version token, keyed by
-  account), the same function without the key, and an atomic-SQL handler
-  (benchmarks/throughput_handlers.py);
-- ``worker run`` in batch mode (``WORKER_BATCH_SIZE``): the shipped keyed handler
-  (key-affinity batches), the reference function without the key, a set-based batch
-  handler, and a batch size sweep;
+- ``worker run`` with ``WORKER_BATCH_SIZE=1`` (no groups: one transaction per
+  delivery): the reference handler as registered (``handlers.credit``: ORM
+  read-modify-write under the version token, keyed by account), the same function
+  without the key, and an atomic-SQL handler (benchmarks/throughput_handlers.py);
+- ``worker run`` with its default settings (group commit: deliveries of one type that
+  are ready together share a transaction, groups up to ``WORKER_BATCH_SIZE`` = 32): the
+  shipped keyed handler, the reference function without the key, a set-based batch
+  handler, and a sweep of the group size;
 - the transport's ceiling: aio-pika consuming the same queue with no database, acking
   each delivery, and with one ``basic.ack(multiple=True)`` per 32.
 
@@ -33,7 +34,7 @@ each balance against the credits of the distinct message ids and the markers
 against the ids: "exact" or "wrong" (a no-dedup consumer is wrong with duplicates,
 by design). The consumer's CPU per delivery, the worker's peak RSS (VmHWM) and
 start-to-ready (spawn to ``/readyz`` 200) are printed too, one extra run at concurrency
-64 with batch size 64, and issue 24's targets, met or missed. ``--profile DIR`` attaches
+64 with groups up to 64, and issue 24's targets, met or missed. ``--profile DIR`` attaches
 py-spy to every consumer (raw stacks for benchmarks/profile_breakdown.py).
 
 Needs RabbitMQ (``rabbitmqctl``: a throwaway vhost) and PostgreSQL (a throwaway
@@ -86,7 +87,6 @@ AMOUNT = Decimal("1.25")
 SCENARIOS = (0.0, 0.3)  # share of deliveries that repeat an earlier message id
 DUPLICATE_WINDOW = 200  # a duplicate repeats one of the last N ids (a producer retry)
 POLL = 0.02
-NOT_ON_MAIN = "n/a (batch mode not on main yet)"
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class Row:
     label: str
     handlers: str = "handlers.credit"
     variant: str = ""  # THROUGHPUT_VARIANT of benchmarks/throughput_handlers.py
-    batch: int = 0  # WORKER_BATCH_SIZE; 0: per message
+    batch: int = 0  # WORKER_BATCH_SIZE; 0: the default (groups up to 32), 1: no groups
     concurrency: int = 0  # 0: --concurrency
     dedup: bool = True
     scenarios: tuple[float, ...] = SCENARIOS
@@ -120,9 +120,11 @@ CEILING_MULTIPLE = Row(
     writes=False,
 )
 FASTSTREAM = Row("FastStream, ORM read-modify-write, no dedup", serve="faststream", dedup=False)
-SHIPPED = Row("worker, shipped ORM handler (keyed)")
-SHIPPED_BATCH = Row("worker batch 32, shipped ORM handler (keyed)", batch=32)
-SET_BASED = Row("worker batch 32, set-based handler", BENCH, "set-based", batch=32)
+DEFAULT = "default settings (groups up to 32)"
+NO_GROUPS = "WORKER_BATCH_SIZE=1 (no groups)"
+SHIPPED = Row(f"worker, {NO_GROUPS}, shipped ORM handler (keyed)", batch=1)
+SHIPPED_DEFAULT = Row(f"worker, {DEFAULT}, shipped ORM handler (keyed)")
+SET_BASED = Row(f"worker, {DEFAULT}, set-based handler", BENCH, "set-based")
 ROWS = (
     BASELINE,
     Row("hand-written atomic, no dedup", serve="handwritten-nodedup", dedup=False),
@@ -130,17 +132,20 @@ ROWS = (
     CEILING_MULTIPLE,
     FASTSTREAM,
     SHIPPED,
-    Row("worker, reference ORM handler, no key", handlers=BENCH, variant="reference"),
-    Row("worker, atomic-SQL handler", handlers=BENCH, variant="atomic"),
-    SHIPPED_BATCH,
-    Row("worker batch 32, reference ORM, no key", BENCH, "reference", batch=32),
+    Row(f"worker, {NO_GROUPS}, reference ORM, no key", BENCH, "reference", batch=1),
+    Row(f"worker, {NO_GROUPS}, atomic-SQL handler", BENCH, "atomic", batch=1),
+    SHIPPED_DEFAULT,
+    Row(f"worker, {DEFAULT}, reference ORM, no key", BENCH, "reference"),
     SET_BASED,
-    *(Row(f"  sweep: batch {n}, set-based", BENCH, "set-based", batch=n) for n in (8, 128)),
-    replace(SHIPPED, label="worker, shipped ORM handler (keyed), uvloop", uvloop=True),
-    replace(SHIPPED_BATCH, label="worker batch 32, shipped ORM handler, uvloop", uvloop=True),
-    replace(SET_BASED, label="worker batch 32, set-based handler, uvloop", uvloop=True),
+    *(
+        Row(f"  sweep: WORKER_BATCH_SIZE={n}, set-based", BENCH, "set-based", batch=n)
+        for n in (8, 128)
+    ),
+    replace(SHIPPED, label=f"{SHIPPED.label}, uvloop", uvloop=True),
+    replace(SHIPPED_DEFAULT, label=f"{SHIPPED_DEFAULT.label}, uvloop", uvloop=True),
+    replace(SET_BASED, label=f"{SET_BASED.label}, uvloop", uvloop=True),
     Row(
-        "worker batch 64 at concurrency 64, shipped handler",
+        "worker, WORKER_BATCH_SIZE=64 at concurrency 64, shipped handler",
         batch=64,
         concurrency=64,
         scenarios=(0.0,),
@@ -195,15 +200,6 @@ def expected(batch: list[OutgoingMessage], dedup: bool) -> tuple[dict[str, Decim
 
 
 # -- one run -------------------------------------------------------------------------
-
-
-def batch_mode_on_main() -> bool:
-    """Batch mode is there when its settings and its context are (it is being built)."""
-    import importlib
-
-    registry = importlib.import_module("worker.registry")
-    settings = importlib.import_module("worker.settings")
-    return hasattr(registry, "BatchContext") and "batch_size" in settings.Settings.model_fields
 
 
 class ServedProcess(WorkerProcess):
@@ -528,7 +524,8 @@ async def serve_handwritten(dedup: bool) -> None:
 async def serve_ceiling(multiple: int) -> None:
     """The transport's ceiling: aio-pika consuming the same queue, no database, no decode;
     each delivery acked (``multiple`` 1), or one ``basic.ack(multiple=True)`` for every
-    ``multiple`` deliveries, with the prefetch the worker's batch mode asks for."""
+    ``multiple`` deliveries, with the prefetch the worker asks for with groups of that
+    size (worker.pump.Pump.prefetch: at least two full groups)."""
     import aio_pika
 
     from worker.brokers.rabbitmq import declare_topology
@@ -536,7 +533,7 @@ async def serve_ceiling(multiple: int) -> None:
 
     rabbit, settings = RabbitMQSettings(), Settings()
     count, concurrency = int(os.environ["THROUGHPUT_EXPECT"]), settings.concurrency
-    prefetch = concurrency if multiple == 1 else (concurrency + 1) * multiple
+    prefetch = concurrency if multiple == 1 else max(concurrency, 2 * multiple)
     connection = await aio_pika.connect_robust(rabbit.url)
     acked = 0
     done = asyncio.Event()
@@ -629,9 +626,7 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def report(
-    results: dict[Row, dict[float, list[Result]]], args: argparse.Namespace, batch: bool
-) -> None:
+def report(results: dict[Row, dict[float, list[Result]]], args: argparse.Namespace) -> None:
     print(
         f"\n{args.messages} CreditRequested deliveries over {args.accounts} accounts, "
         f"RabbitMQ + PostgreSQL on loopback, 1 consumer process at concurrency "
@@ -650,13 +645,10 @@ def report(
         "RSS MB",
         "ready s",
     )
-    widths = (50, 7, 8, 8, 13, 8, 8, 10, 6, 7)
+    widths = (max([50, *(len(row.label) for row in results)]), 7, 8, 8, 13, 8, 8, 10, 6, 7)
     print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for row in results:
-        if row.batch and not batch:
-            print(f"| {row.label.ljust(widths[0])} | {NOT_ON_MAIN} |")
-            continue
         cells = [row.label]
         everything: list[Result] = []
         for scenario in SCENARIOS:
@@ -706,13 +698,23 @@ def _rate(results: dict[Row, dict[float, list[Result]]], row: Row) -> float | No
 def targets(results: dict[Row, dict[float, list[Result]]]) -> None:
     """Issue 24's targets, met or missed, from this run (no duplicates)."""
     rate = {row: _rate(results, row) for row in (BASELINE, CEILING, CEILING_MULTIPLE,
-            FASTSTREAM, SHIPPED, SHIPPED_BATCH, SET_BASED)}  # fmt: skip
+            FASTSTREAM, SHIPPED, SHIPPED_DEFAULT, SET_BASED)}  # fmt: skip
     ceiling = max((r for r in (rate[CEILING], rate[CEILING_MULTIPLE]) if r), default=None)
     checks = [
-        ("shipped keyed ORM handler, batch 32 / hand-written inbox", SHIPPED_BATCH, BASELINE, 1.0),
-        ("set-based batch handler / consume-and-ack ceiling", SET_BASED, None, 0.5),
-        ("shipped handler per message / hand-written inbox", SHIPPED, BASELINE, 0.5),
-        ("shipped handler per message / FastStream", SHIPPED, FASTSTREAM, 1.5),
+        (
+            "shipped keyed ORM handler, default settings / hand-written inbox",
+            SHIPPED_DEFAULT,
+            BASELINE,
+            1.0,
+        ),
+        (
+            "set-based batch handler, default settings / consume-and-ack ceiling",
+            SET_BASED,
+            None,
+            0.5,
+        ),
+        ("shipped handler, WORKER_BATCH_SIZE=1 / hand-written inbox", SHIPPED, BASELINE, 0.5),
+        ("shipped handler, WORKER_BATCH_SIZE=1 / FastStream", SHIPPED, FASTSTREAM, 1.5),
     ]
     print("\ntargets (no duplicates):")
     for label, row, base, wanted in checks:
@@ -731,10 +733,8 @@ def targets(results: dict[Row, dict[float, list[Result]]]) -> None:
 async def main(args: argparse.Namespace) -> int:
     name = f"throughput_{uuid.uuid4().hex[:8]}"
     args.database_url = args.postgres.rsplit("/", 1)[0] + f"/{name}"
-    batch = batch_mode_on_main()
     every = [*ROWS, *tree_rows(args.tree)]
     rows = [r for r in every if not args.only or any(o in r.label for o in args.only.split("|"))]
-    rows = [r for r in rows if batch or not r.batch]
     if BASELINE not in rows:
         rows.insert(0, BASELINE)
     results: dict[Row, dict[float, list[Result]]] = {row: {} for row in every}
@@ -745,7 +745,7 @@ async def main(args: argparse.Namespace) -> int:
         await asyncio.to_thread(migrate_with_the_example, args.database_url)
         db = create_engine(args.database_url, pool_size=1, max_overflow=0)
         try:
-            async with throwaway_vhost() as vhost:
+            async with throwaway_vhost("throughput") as vhost:
                 n = 0
                 for run in range(args.runs):
                     for scenario in SCENARIOS:
@@ -766,7 +766,7 @@ async def main(args: argparse.Namespace) -> int:
             await db.dispose()
     finally:
         await admin_sql(args.postgres, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    report(results, args, batch)
+    report(results, args)
     if failed:
         print(f"\nconsumer logs: {logs}")
     else:
@@ -775,13 +775,15 @@ async def main(args: argparse.Namespace) -> int:
 
 
 def tree_rows(trees: list[str]) -> list[Row]:
-    """The shipped handler's rows and the set-based batch row again, each from a
-    ``NAME=PATH`` checkout (before/after in one run)."""
+    """The shipped handler's rows and the set-based row again, each from a ``NAME=PATH``
+    checkout (before/after in one run). Their group size is set outright (32 for the
+    default rows): an older checkout may have another default."""
     extra = []
     for spec in trees:
         name, _, path = spec.partition("=")
-        for row in (SHIPPED, SHIPPED_BATCH, SET_BASED):
-            extra.append(replace(row, label=f"{row.label} [{name}]", tree=path))
+        for row in (SHIPPED, SHIPPED_DEFAULT, SET_BASED):
+            label = f"{row.label} [{name}]"
+            extra.append(replace(row, label=label, tree=path, batch=row.batch or 32))
     return extra
 
 
@@ -802,7 +804,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="NAME=PATH",
-        help="also run the per-message worker rows from this checkout (before/after)",
+        help="also run the shipped-handler and set-based worker rows from this checkout",
     )
     parser.add_argument(
         "--profile", default="", metavar="DIR", help="py-spy each consumer, raw stacks in DIR"

@@ -7,10 +7,11 @@ already). Unset, nothing is registered (an import for the functions alone).
 
 - ``atomic``: per message, the hand-written consumer's atomic upsert through
   ``ctx.session`` (no read, no token check, nothing to conflict).
-- ``reference``: :func:`handlers.credit.apply_credit` without ``key=``: in batch mode
-  any key may then be in two batches at once, which then wait on each other's rows.
-- ``set-based``: a batch handler (``batch=True``): the batch's credits summed per
-  account in Python, then one multi-row upsert for the whole batch.
+- ``reference``: :func:`handlers.credit.apply_credit` without ``key=``: with groups (the
+  default, ``WORKER_BATCH_SIZE`` > 1) any key may then be in two groups at once, which
+  then wait on each other's rows.
+- ``set-based``: a batch handler (``batch=True``): the group's credits summed per
+  account in Python, then one multi-row upsert for the whole group.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ async def credit_atomic(ctx: Context, message: CreditRequested) -> None:
 
 
 async def credit_set_based(ctx: BatchContext, messages: Sequence[CreditRequested]) -> None:
-    """One statement for the batch; accounts in a fixed order, so batches never deadlock."""
+    """One statement for the group; accounts in a fixed order, so groups never deadlock."""
     totals: dict[str, Decimal] = {}
     for message in messages:
         totals[message.account_id] = totals.get(message.account_id, Decimal(0)) + message.amount
