@@ -200,6 +200,9 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901 - one branch p
         where = _database_named()
         print(f"worker: database not migrated: {where}: {exc} ({exc.remedy})", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the reader left (`worker demo | head`): end quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
+        return 1
     except Exception as exc:  # a database that cannot serve: one line, not a traceback
         failure = database_failure(exc, args.command)
         if failure is None:

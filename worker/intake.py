@@ -76,12 +76,13 @@ _ALONE_WAIT = 30.0
 is still there (hung work, which WORKER_HANDLER_TIMEOUT bounds) rather than halt intake."""
 _SCAN = 256
 """Ready deliveries a worker looks through for company of its group's type."""
-_GROUP_TIME = 0.25
+_GROUP_TIME = 1.0
 """Seconds a group should take at most, by what its type's deliveries have taken so far
-(wall time, so under load a little more than their own): a group is as slow as the sum
-of its members, and a slow handler's group would hold the others' acks, a key's or a
+(wall time: on a busy event loop a member's time counts every other task's turns too,
+several times its own, which is why the budget is a second): a group is as slow as the
+sum of its members, and a slow handler's group would hold the others' acks, a key's or a
 partition's lane, and a shutdown's grace period behind it. Fast handlers (most: a few
-ms) fill groups to the cap; a type of 250 ms or more runs alone, and so does the first
+ms) fill groups to the cap; a type of a second or more runs alone, and so does the first
 unit of a type, before anything says how long its deliveries take."""
 
 
@@ -202,7 +203,6 @@ class Intake:
         self._lanes: dict[Lane, deque[Item]] = {}  # every unsettled item of a lane, in order
         self._ready: deque[Item] = deque()  # at the head of each of its lanes, not taken
         self._waiters: deque[asyncio.Future[None]] = deque()  # free workers, first come
-        self._idle = 0  # free workers: waiting, or woken and not back yet
         self._running: set[Work] = set()
         self._suspect: Item | None = None  # the suspect running alone
         self._arrivals = 0
@@ -216,21 +216,30 @@ class Intake:
 
     async def next(self) -> Work:
         """The next unit of work, as soon as one is ready (cancel-safe: a cancelled wait
-        takes nothing)."""
-        while not self._ready:
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            self._idle += 1
-            try:
-                await waiter
-            except BaseException:
-                if waiter.done() and not waiter.cancelled() and self._ready:
-                    self._wake()  # it was this worker's turn: hand it on
-                waiter.cancel()
-                raise
-            finally:
-                self._idle -= 1
-        return self._take()
+        takes nothing). While other work runs, one turn of the event loop first: what the
+        broker delivered with this delivery is admitted and may share its group; on an
+        idle pump, none (the delivery runs at once)."""
+        while True:
+            while not self._ready:
+                waiter = asyncio.get_running_loop().create_future()
+                self._waiters.append(waiter)
+                try:
+                    await waiter
+                except BaseException:
+                    if waiter.done() and not waiter.cancelled() and self._ready:
+                        self._wake()  # it was this worker's turn: hand it on
+                    waiter.cancel()
+                    raise
+            if self.in_flight and len(self._ready) < self._size:
+                try:
+                    await asyncio.sleep(0)
+                except BaseException:
+                    if self._ready:
+                        self._wake()  # hand it on
+                    raise
+                if not self._ready:  # another worker took it meanwhile
+                    continue
+            return self._take()
 
     def done(self, work: Work, verdicts: list[Verdict] | None = None) -> None:
         """The work is settled: its lanes go to the deliveries waiting behind it. Behind
@@ -339,7 +348,7 @@ class Intake:
             # behind those
             if first.lanes:
                 self._followers(group, size)
-            if ready and len(group) < size and not self._idle:
+            if ready and len(group) < size:
                 before = len(group)
                 self._company(group, size)
                 if len(group) > before:
@@ -354,10 +363,8 @@ class Intake:
 
     def _company(self, group: list[Item], size: int) -> None:
         """Ready deliveries of the first one's type join its group, up to the cap (ready
-        deliveries hold no lane in common: each heads its lanes). Only when no other
-        worker is free: then everything is busy, and the cheapest way through is the
-        largest group; while one is free, a delivery runs at once beside the others
-        rather than wait behind a group's slowest member."""
+        deliveries hold no lane in common: each heads its lanes): what is ready together
+        shares a transaction. On a quiet queue only one is ever ready, and it runs alone."""
         handlers = group[0].handlers
         ids = {item.message_id for item in group}
         kept: list[Item] = []

@@ -76,6 +76,8 @@ from worker.startup import broker_up
 from worker.transaction import Stage, TransactionRunner
 from worker.verdict import STOPPING, Outcome, Verb, Verdict, unexpected
 
+_MOST_PREFETCHED = 8192  # what a pump holds at most: a few KB each
+
 
 class Pump:
     """Consume from one broker with ``settings.concurrency`` workers until stopped.
@@ -159,13 +161,16 @@ class Pump:
     @property
     def prefetch(self) -> int:
         """Unsettled deliveries the broker may push: one per worker, three when keys
-        serialize (deliveries waiting for a busy key hold broker credit without a worker),
-        and at least two full groups, so that under load a group can fill while another
-        runs (docs/batch.md). More would only hold messages another replica could run."""
+        serialize (deliveries waiting for a busy key hold broker credit without a worker);
+        with groups, a full group for every worker and one more filling (docs/batch.md),
+        at most 8,192. A backlog reaches the pump as fast as it can take it; on a quiet
+        queue nothing is held."""
         concurrency = self.settings.concurrency
         unsettled = 3 * concurrency if self.registry.keyed else concurrency
         size = self.settings.batch_size
-        return max(unsettled, 2 * size) if size > 1 else unsettled
+        if size == 1:
+            return unsettled
+        return max(unsettled, min((concurrency + 1) * size, _MOST_PREFETCHED))
 
     def held(self) -> dict[str, int]:
         """What the pump holds per delivery now (all zero once nothing is in flight)."""

@@ -501,12 +501,12 @@ async def test_the_prefetch_holds_two_groups_and_a_delivery_per_worker(
 
     try:
         plain = credit_registry("orm")
-        assert prefetch(plain, concurrency=64, batch_size=64) == 2 * 64
-        assert prefetch(plain, concurrency=16, batch_size=32) == 2 * 32  # the defaults
+        assert prefetch(plain, concurrency=64, batch_size=64) == 65 * 64
+        assert prefetch(plain, concurrency=16, batch_size=32) == 17 * 32  # the defaults
         assert prefetch(plain, concurrency=64, batch_size=1) == 64
-        assert prefetch(keyed, concurrency=64, batch_size=32) == 3 * 64
+        assert prefetch(keyed, concurrency=64, batch_size=32) == 65 * 32
         assert prefetch(keyed, concurrency=16, batch_size=1) == 3 * 16
-        assert prefetch(keyed, concurrency=1024, batch_size=1000) == 3 * 1024  # the most
+        assert prefetch(keyed, concurrency=1024, batch_size=1000) == 8192  # the most
     finally:
         await engine.dispose()
 

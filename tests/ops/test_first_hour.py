@@ -297,6 +297,33 @@ def test_each_command_says_what_it_does_and_points_at_its_settings(command: str)
     assert "README.md, Configuration" in settings
 
 
+def test_the_demo_piped_into_head_ends_without_a_traceback(tmp_path: Path) -> None:
+    """`worker demo | head -3`: the reader leaves after three lines; the demo ended with a
+    BrokenPipeError traceback on its next print."""
+    from tests.support.processes import worker_cli
+
+    env = {**json_env(), "WORKER_DATABASE_URL": f"sqlite+aiosqlite:///{tmp_path / 'demo.db'}"}
+    demo = subprocess.Popen(
+        worker_cli("demo", "--messages", "40"),
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert demo.stdout is not None and demo.stderr is not None
+    try:
+        first = demo.stdout.readline()
+        demo.stdout.close()  # what head does after its lines
+        _, errors = demo.communicate(timeout=120)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    assert first, errors
+    assert "Traceback" not in errors, errors
+    assert demo.returncode == 1, errors
+
+
 # -- migrate --check compares revisions; revision --dry-run compares the models ------------
 
 ORDERS = """\
