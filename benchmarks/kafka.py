@@ -20,7 +20,7 @@ partition), with a ``message-id`` header:
 
 Throughput: ``--records`` records are produced first, and the rate is from the first
 commit to the last (a group join on the test broker takes seconds: not measured).
-Latency: records produced at a steady 500/s and at half of the row's measured maximum
+Latency: records produced at each steady rate of ``--rates`` (500/s and 800/s)
 for ``--seconds`` (the first ``--warm-up`` seconds not counted); the delay is from the
 send to the commit of the record's inbox marker, seen as a ``NOTIFY`` from a statement
 trigger on the inbox (benchmarks/latency.py).
@@ -400,6 +400,21 @@ def report(
     ]
     if problems:
         print("problems:\n" + "\n".join(problems))
+    print("\ntargets: keeps up (>= 99 % of the rate), p99 <= 2x hand-written; drain >= 1.5x:")
+    for (row, which), results in timings.items():
+        if row is BASELINE:
+            continue
+        asked = _median([r.asked for r in results]) or 0.0
+        reached = _median([r.reached for r in results]) or 0.0
+        p99 = _median([r.p99 for r in results])
+        theirs = _median([r.p99 for r in timings.get((BASELINE, which), [])])
+        ratio = p99 / theirs if p99 and theirs else None
+        met = reached >= 0.99 * asked and ratio is not None and ratio <= 2.0
+        shown = f"{ratio:.2f}x" if ratio is not None else "-"
+        print(
+            f"  {row.label} at {which}: reached {reached:.0f}/{asked:.0f}, p99 {shown}: "
+            + ("met" if met else "missed")
+        )
 
 
 async def main(args: argparse.Namespace) -> int:
@@ -427,9 +442,8 @@ async def main(args: argparse.Namespace) -> int:
                     )
                     if args.seconds <= 0:
                         continue
-                    for which, rate in (("fixed", args.rate), ("half of max", drained.rate / 2)):
-                        if not rate:
-                            continue
+                    for rate in args.rates:
+                        which = f"{rate:g}/s"
                         timing = await latency(row, rate, args, logs)
                         timings.setdefault((row, which), []).append(timing)
                         print(
@@ -455,7 +469,12 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--accounts", type=int, default=100)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=15.0, help="per latency rate; 0: none")
-    parser.add_argument("--rate", type=float, default=500.0)
+    parser.add_argument(
+        "--rates",
+        type=lambda v: [float(r) for r in v.split(",") if r],
+        default=[500.0, 800.0],
+        help="steady rates, comma-separated",
+    )
     parser.add_argument(
         "--warm-up", type=float, default=WARM_UP, help="first seconds of a rate not counted"
     )

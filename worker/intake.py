@@ -74,9 +74,11 @@ _PARKED_REGARDLESS = 3
 _ALONE_WAIT = 30.0
 """Seconds a suspect waits for the work in flight to settle. Past it, it runs beside what
 is still there (hung work, which WORKER_HANDLER_TIMEOUT bounds) rather than halt intake."""
+_BUSY_TURN = 0.001
+"""Seconds one turn of the event loop takes at most while the process has CPU to spare."""
 _SCAN = 256
 """Ready deliveries a worker looks through for company of its group's type."""
-_GROUP_TIME = 1.0
+_GROUP_TIME = 0.25
 """Seconds a group should take at most, by what its type's deliveries have taken so far
 (wall time: on a busy event loop a member's time counts every other task's turns too,
 several times its own, which is why the budget is a second): a group is as slow as the
@@ -203,6 +205,8 @@ class Intake:
         self._lanes: dict[Lane, deque[Item]] = {}  # every unsettled item of a lane, in order
         self._ready: deque[Item] = deque()  # at the head of each of its lanes, not taken
         self._waiters: deque[asyncio.Future[None]] = deque()  # free workers, first come
+        self._idle = 0  # free workers: waiting, or woken and not back yet
+        self._busy = False  # the event loop's last turn was long: CPU, not workers, is short
         self._running: set[Work] = set()
         self._suspect: Item | None = None  # the suspect running alone
         self._arrivals = 0
@@ -223,6 +227,7 @@ class Intake:
             while not self._ready:
                 waiter = asyncio.get_running_loop().create_future()
                 self._waiters.append(waiter)
+                self._idle += 1
                 try:
                     await waiter
                 except BaseException:
@@ -230,13 +235,18 @@ class Intake:
                         self._wake()  # it was this worker's turn: hand it on
                     waiter.cancel()
                     raise
+                finally:
+                    self._idle -= 1
             if self.in_flight and len(self._ready) < self._size:
+                loop = asyncio.get_running_loop()
+                turn = loop.time()
                 try:
                     await asyncio.sleep(0)
                 except BaseException:
                     if self._ready:
                         self._wake()  # hand it on
                     raise
+                self._busy = loop.time() - turn > _BUSY_TURN
                 if not self._ready:  # another worker took it meanwhile
                     continue
             return self._take()
@@ -343,16 +353,12 @@ class Intake:
         group = [first]
         size = self._group.get(first.delivery.type or "", 1)  # 1 until its cost is known
         if size > 1 and not first.single:
-            # what waits behind it in its lanes first (a key's credits in one session, a
-            # partition's records in order), then what else is ready, then what waits
-            # behind those
+            # what waits behind it in its lanes (a key's credits in one session, a
+            # partition's records in order); failing that, what else is ready
             if first.lanes:
                 self._followers(group, size)
-            if ready and len(group) < size:
-                before = len(group)
+            if ready and len(group) == 1 and (self._busy or not self._idle):
                 self._company(group, size)
-                if len(group) > before:
-                    self._followers(group, size)
             if len(group) > 1:
                 group.sort(key=_arrival)
         work = Work(group, first.handlers)
@@ -364,7 +370,13 @@ class Intake:
     def _company(self, group: list[Item], size: int) -> None:
         """Ready deliveries of the first one's type join its group, up to the cap (ready
         deliveries hold no lane in common: each heads its lanes): what is ready together
-        shares a transaction. On a quiet queue only one is ever ready, and it runs alone."""
+        shares a transaction. Only for a delivery that has no followers (a lane's run may
+        be long, and what joined it would wait for all of it), and only when no other
+        worker is free, or when the event loop is what is short (its last turn took over
+        1 ms: the process's CPU is spent, and a delivery given to a free worker would wait
+        for the loop all the same); otherwise a delivery runs at once beside the others
+        rather than wait behind a group's slowest member. On a quiet queue only one is
+        ever ready, and it runs alone."""
         handlers = group[0].handlers
         ids = {item.message_id for item in group}
         kept: list[Item] = []

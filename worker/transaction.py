@@ -195,14 +195,7 @@ class TransactionRunner:
                     elif await self._mark(session, item, handler):
                         await discard(session)
                         return [judge.duplicate(delivery, handler.consumer, attempt, "fast-path")]
-                    context = Context(
-                        session,
-                        item.message_id,
-                        handler.consumer,
-                        delivery.delivery_count,
-                        attempt,
-                        delivery.headers,
-                    )
+                    context = _context(session, item, handler.consumer, attempt)
                     await call_handler(handler.func(context, message), self._timeout)
                     if stage.last and self._writes_in_commit:
                         await in_commit(session, (delivery,))
@@ -525,15 +518,7 @@ class TransactionRunner:
         item = None
         try:
             for item in items:
-                delivery = item.delivery
-                context = Context(
-                    session,
-                    item.message_id,
-                    handler.consumer,
-                    delivery.delivery_count,
-                    attempt,
-                    delivery.headers,
-                )
+                context = _context(session, item, handler.consumer, attempt)
                 await call_handler(handler.func(context, item.messages[handler.model]), None)
             item = None
             await session.flush()  # inside the bounded row-lock wait, as a savepoint's is
@@ -576,15 +561,7 @@ class TransactionRunner:
     ) -> Verdict | None:
         """An ordinary handler on one message inside a SAVEPOINT: its failure stays its
         own. None: deferred."""
-        delivery = item.delivery
-        context = Context(
-            session,
-            item.message_id,
-            handler.consumer,
-            delivery.delivery_count,
-            attempt,
-            delivery.headers,
-        )
+        context = _context(session, item, handler.consumer, attempt)
         nested = await session.begin_nested()
         try:
             await call_handler(handler.func(context, item.messages[handler.model]), None)
@@ -619,3 +596,10 @@ class TransactionRunner:
         if failed is Failure.DATA:
             return refused_value(consumer, cause_of(exc), attempt)
         return judge.failed(item.delivery, consumer, attempt, cause_of(exc))
+
+
+def _context(session: AsyncSession, item: Item, consumer: str, attempt: int) -> Context:
+    delivery = item.delivery
+    return Context(
+        session, item.message_id, consumer, delivery.delivery_count, attempt, delivery.headers
+    )

@@ -85,28 +85,28 @@ SMOKE: dict[str, Smoke] = {
         databases=f"inbox_soak_(table|partitioned)_{HEX}{{8}}",
     ),
     "kafka": Smoke(
-        "--records 50 --partitions 2 --runs 1 --seconds 1.5 --warm-up 0.5 --rate 20 "
-        "--timeout 60 --only 'database offsets'",
+        "--records 50 --partitions 2 --runs 1 --seconds 1.5 --warm-up 0.5 --rates 20 "
+        f"--timeout 60 --only '{DEFAULT}, database offsets'",
         (
             "| consumer | records/s |",
             "| consumer | rate | reached/s |",
             f"worker, {DEFAULT}, database offsets",
-            f"worker, {NO_GROUPS}, database offsets",
         ),
         needs=("postgres", "tansu"),
         slow=True,
         databases=f"kafka_bench_{HEX}{{8}}",
     ),
     "killer_table": Smoke(
-        "--valid 20 --max-deliveries 2 --quiet 6 --only counts=database",
-        ("valid dead-lettered", f"{NO_GROUPS}, counts=database", f"{DEFAULT}, counts=database"),
+        f"--valid 20 --max-deliveries 2 --quiet 6 --only '{DEFAULT}, counts=database'",
+        ("valid dead-lettered", f"{DEFAULT}, counts=database"),
         needs=("postgres", "rabbitmq", "rabbitmqctl"),
         slow=True,
         databases=f"bench_killer_{HEX}{{8}}",
         vhosts=f"bench_killer_{HEX}{{10}}",
     ),
     "latency": Smoke(
-        f"--seconds 1.5 --warm-up 0.5 --runs 1 --rate 20 --messages 50 --only '{DEFAULT}, shipped'",
+        f"--seconds 1.5 --warm-up 0.5 --runs 1 --rates 20 --top 0.05 --messages 50 "
+        f"--only '{DEFAULT}, shipped'",
         ("p99 ms", "hand-written inbox", f"worker, {DEFAULT}, shipped ORM handler (keyed)"),
         needs=("postgres", "rabbitmq", "rabbitmqctl"),
         slow=True,
@@ -148,12 +148,10 @@ SMOKE: dict[str, Smoke] = {
         queues=f"bench-{HEX}{{6}}",
     ),
     "throughput": Smoke(
-        "--messages 50 --runs 1 --timeout 60 "
-        "--only 'multiple-ack|FastStream|set-based handler, uvloop|(no groups), atomic'",
+        "--messages 50 --runs 1 --timeout 60 --only 'FastStream|set-based handler, uvloop'",
         (
             "msg/s 30% dup",
             "targets (no duplicates):",
-            f"worker, {NO_GROUPS}, atomic-SQL handler",
             f"worker, {DEFAULT}, set-based handler, uvloop",
         ),
         needs=("postgres", "rabbitmq", "rabbitmqctl", "bench"),

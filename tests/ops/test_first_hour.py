@@ -300,13 +300,13 @@ def test_each_command_says_what_it_does_and_points_at_its_settings(command: str)
 def test_the_demo_piped_into_head_ends_without_a_traceback(tmp_path: Path) -> None:
     """`worker demo | head -3`: the reader leaves after three lines; the demo ended with a
     BrokenPipeError traceback on its next print."""
-    from tests.support.processes import worker_cli
+    from tests.support.processes import REPO, worker_cli
 
     env = {**json_env(), "WORKER_DATABASE_URL": f"sqlite+aiosqlite:///{tmp_path / 'demo.db'}"}
     demo = subprocess.Popen(
         worker_cli("demo", "--messages", "40"),
         env=env,
-        cwd=tmp_path,
+        cwd=REPO,  # the demo runs the repository's example application
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
