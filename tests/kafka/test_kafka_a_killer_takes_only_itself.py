@@ -97,7 +97,11 @@ async def test_a_killer_record_is_dead_lettered_alone_after_max_deliveries_death
     dead = sorted(str(header(letter, DLT_MESSAGE_ID)) for letter in letters)
     report = {"deaths": dict(deaths), "restarts": restarts, "dead letters": dead}
     print(f"\nkafka killer ({batch_size=}, {killers=}): {report}")
-    assert dead == sorted(killers), report  # no valid record dead-lettered
+    # no valid record dead-lettered, every killer dead-lettered; a killer may be there twice
+    # when a death (the other killer's) fell between its dead letter and its offset's commit
+    # (docs/kafka.md, "dead-letter")
+    assert sorted(set(dead)) == sorted(killers), report
+    assert len(dead) <= 2 * len(killers), report
     assert await balances(url) == {f"acct-{n}": Decimal(VALID // 10) for n in range(10)}
     if batch_size == 1 or len(killers) == 1:  # each killer: exactly WORKER_MAX_DELIVERIES
         assert deaths == dict.fromkeys(killers, MAX_DELIVERIES), report
