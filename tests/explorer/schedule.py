@@ -52,9 +52,13 @@ SQLSTATES = {
 }
 
 OWN_FAILURES = frozenset(
-    {"RuntimeError", "CancelledError", "Abort", "22P02", "22003", "23505", "42P01"}
-)
-"""Outcomes that are the message's own failure: each may spend one delivery."""
+    {"RuntimeError", "CancelledError", "Abort", "22P02", "22003", "23505", "42P01", "42501",
+     "53400"}
+)  # fmt: skip
+"""Outcomes that are the message's own failure: each may spend one delivery. A row a
+security policy refuses (42501 with its "row-level security" text) and one query over
+``temp_file_limit`` (53400) are the message's, as worker/db.py judges them (issue 31,
+defect 6); a missing privilege (42501 on a table) would be the environment's."""
 
 INVALID = {
     # what an invalid message does on every invocation, by database (a value the database
