@@ -199,10 +199,9 @@ class Settlement:
         )
 
     async def _refunded(self, delivery: Delivery, consumer: str) -> bool:
-        if not self.stopping:
-            return await attempts.refund(self._engine, delivery, consumer)
-        try:  # the shutdown waits for no database: a black-holed one would hold it for ever
-            async with asyncio.timeout(_STOPPING_REFUND):
+        # the shutdown waits for no database: a black-holed one would hold it for ever
+        try:
+            async with asyncio.timeout(_STOPPING_REFUND if self.stopping else None):
                 return await attempts.refund(self._engine, delivery, consumer)
         except TimeoutError:
             return False
